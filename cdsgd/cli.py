@@ -1,0 +1,143 @@
+"""The ``cdsgd`` command line.
+
+Each verb is a function ``_cmd_<verb>(args)`` plus its parser set-up in
+``_add_<verb>``. Errors on user input print one line and exit with status 2;
+other failures exit 1; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from . import __version__
+
+__all__ = ["main", "build_parser"]
+
+EPILOG = """exit status: 0 success, 1 runtime failure, 2 bad usage or invalid input.
+Run 'cdsgd VERB --help' for a verb's options."""
+
+
+def _parse_value(text: str):
+    """A --param value: int, float, true/false/none, else the string itself."""
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_params(pairs: Sequence[str]) -> dict:
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param expects KEY=VALUE, got {pair!r}")
+        params[key.strip()] = _parse_value(value.strip())
+    return params
+
+
+# --------------------------------------------------------------------- topo
+
+
+def _add_topo(sub) -> None:
+    import topologies
+
+    p = sub.add_parser(
+        "topo",
+        help="describe a topology and its mixing matrix",
+        description="Build a named topology (or read a graph file), compute its mixing matrix, and print "
+        "n, edge count, degree range, diameter, the second-largest eigenvalue modulus and the spectral gap "
+        "(and the matrix itself for n <= 16).",
+        epilog=f"topologies: {', '.join(topologies.BUILDERS.names())}\n"
+        f"graph files: {', '.join(topologies.FORMATS)}\n"
+        f"rules: {', '.join(topologies.RULES.names())}\n"
+        "example: cdsgd topo erdos_renyi --n 16 --param p=0.3 --param seed=1 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("topology", metavar="NAME_OR_PATH", help="builder name or graph file path")
+    p.add_argument("--n", type=int, default=None, help="number of nodes (required for builder names)")
+    p.add_argument("--rule", default="metropolis", help="weight rule (default: metropolis)")
+    p.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
+                   help="builder parameter, e.g. p=0.3, seed=1, rows=4 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--draw", metavar="FILE.png", default=None, help="save a picture of the graph with its weights")
+    p.set_defaults(func=_cmd_topo)
+
+
+def _format_matrix(W) -> str:
+    return "\n".join("  " + " ".join(f"{x:6.3f}" for x in row) for row in W)
+
+
+def _cmd_topo(args) -> int:
+    import topologies
+
+    params = _parse_params(args.param)
+    G = topologies.resolve(args.topology, args.n, **params)
+    W = topologies.mixing_matrix(G, args.rule)
+    info = {"topology": str(args.topology), "params": params, "rule": args.rule, **topologies.describe(G, W)}
+    if args.draw:
+        from .plotting import draw_topology
+
+        draw_topology(G, W, args.draw, title=f"{args.topology} (n={info['n']}, {args.rule})")
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"topology      {info['topology']}" + (f" {params}" if params else ""))
+    print(f"n             {info['n']}")
+    print(f"edges         {info['edges']}")
+    print(f"degree        {info['degree_min']}..{info['degree_max']}")
+    print(f"diameter      {info['diameter']}")
+    print(f"rule          {info['rule']}")
+    print(f"lambda2       {info['lambda2']:.6f}   (second-largest eigenvalue modulus)")
+    print(f"spectral gap  {info['spectral_gap']:.6f}")
+    if info["n"] <= 16:
+        print("mixing matrix")
+        print(_format_matrix(W))
+    if args.draw:
+        print(f"drawing       {args.draw}")
+    return 0
+
+
+# --------------------------------------------------------------------- main
+
+_VERBS = (_add_topo,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cdsgd",
+        description="Decentralized collaborative learning (CDSGD/CDMSGD) over a fixed communication graph.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"cdsgd {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for add in _VERBS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("cdsgd: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        status = 2 if isinstance(e, ValueError) else 1
+        print(f"cdsgd {args.verb}: error: {e}", file=sys.stderr)
+        return status

@@ -1,0 +1,45 @@
+"""Repository-level promises: import isolation, doctests, README vs CI."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_topologies_does_not_import_torch():
+    code = "import sys, topologies; topologies.mixing_matrix(topologies.build('ring', 5)); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "module", ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry"]
+)
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+
+
+def _readme_commands():
+    return re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+    quickstart = _readme_commands()[:2]
+    assert len(quickstart) == 2 and "pytest" in quickstart[1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert quickstart[1] in ci, "the last step of .ci/run must be the README's test command"
+
+
+def test_public_names_declared():
+    import topologies
+
+    for name in topologies.__all__:
+        assert hasattr(topologies, name), name
