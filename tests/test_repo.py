@@ -20,7 +20,9 @@ def test_topologies_does_not_import_torch():
 
 
 @pytest.mark.parametrize(
-    "module", ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry"]
+    "module",
+    ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
+     "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
@@ -38,8 +40,9 @@ def test_ci_runs_the_readme_test_command():
     assert quickstart[1] in ci, "the last step of .ci/run must be the README's test command"
 
 
-def test_public_names_declared():
-    import topologies
-
-    for name in topologies.__all__:
-        assert hasattr(topologies, name), name
+@pytest.mark.parametrize("module", ["topologies", "cdsgd", "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models",
+                                    "cdsgd.seeding", "cdsgd.simulator"])
+def test_public_names_declared(module):
+    mod = importlib.import_module(module)
+    for name in mod.__all__:
+        assert hasattr(mod, name), name

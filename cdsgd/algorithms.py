@@ -1,0 +1,495 @@
+r"""The update rules: CDSGD, CDMSGD and the baselines, written once.
+
+Notation: agent j holds flat parameters x_j, its stochastic gradient is
+g_j = ∇f_j(x_j) (+ λ·x_j with weight decay λ), Π is the mixing matrix, α_k the
+step size at step k, μ the momentum. Stacked over agents, X is N×P; one rank
+of the distributed runtime holds just its P-vector. The rules below are
+element-wise apart from the mixing, so the same code serves both: only the
+:class:`~cdsgd.mixing.Mixer` differs.
+
+``cdsgd``   x_j ← Σ_l π_jl x_l − α g_j(x_j)
+            (the gradient at the agent's own pre-mixing parameters;
+            parameters are mixed, not gradients)
+``cdmsgd``  m_j ← μ m_j − α g_j(x_j)
+            x_j ← Σ_l π_jl x_l + μ m_j − α g_j(x_j)      (Nesterov, default)
+            x_j ← Σ_l π_jl x_l + m_j                    (``nesterov=False``, heavy ball)
+            m_j is local and never mixed.
+``sgd``     x_j ← x_j − α ḡ,  ḡ = (1/N) Σ_l g_l        (centralized: one model
+            trained on the union of the agents' batches)
+``msgd``    the same with momentum on ḡ (Nesterov or heavy ball as above,
+            with Σ_l π_jl x_l replaced by x_j)
+``fedavg``  each agent runs ``local_steps`` SGD steps on its shard (or
+            ``local_epochs`` epochs), then x_j ← mean of the participating
+            agents' x (all agents by default; ``fedavg_fraction`` samples
+            max(1, round(fraction·N)) agents per round; the others sit the
+            round out and receive the average)
+``local``   Π = I: x_j ← x_j − α g_j (momentum as in cdmsgd when μ > 0);
+            no communication.
+
+Step sizes: ``constant`` α_k = α₀, or ``diminishing``
+α_k = α₀ / (1 + k/τ)^p with 0.5 < p ≤ 1, so that Σ_k α_k = ∞ and
+Σ_k α_k² < ∞ (the condition under which CDSGD reaches exact consensus).
+
+Two ways in:
+
+* :func:`make_algorithm` gives an :class:`Algorithm` whose ``update`` the
+  executors (simulator, runtime) call on X;
+* :class:`CDSGD` and :class:`CDMSGD` are ``torch.optim.Optimizer`` classes
+  for a user's own training loop, one instance per agent, taking a Mixer that
+  exchanges that agent's P-vector with its neighbours.
+
+Example (two agents, one parameter each, zero gradients: one step is Π X)::
+
+    >>> import torch
+    >>> from cdsgd.mixing import MatrixMixer
+    >>> alg = make_algorithm("cdsgd", lr=0.1)
+    >>> X = torch.tensor([[0.0], [1.0]]); G = torch.zeros(2, 1)
+    >>> alg.update(X, G, alg.init_state(X), k=0, mixer=MatrixMixer([[0.75, 0.25], [0.25, 0.75]])).tolist()
+    [[0.25], [0.75]]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from topologies import Registry
+
+from .mixing import Handle, Mixer
+from .seeding import derive_seed
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "CDMSGD",
+    "CDSGD",
+    "StepSize",
+    "algorithm_params",
+    "cdsgd_update",
+    "make_algorithm",
+    "momentum_update",
+    "with_weight_decay",
+]
+
+# --------------------------------------------------------------------------
+# checks shared by every class that takes hyperparameters
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def check_lr(lr: Any) -> float:
+    lr = _number("lr", lr)
+    if not lr > 0 or math.isinf(lr):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    return lr
+
+
+def check_momentum(momentum: Any) -> float:
+    momentum = _number("momentum", momentum)
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    return momentum
+
+
+def check_weight_decay(wd: Any) -> float:
+    wd = _number("weight_decay", wd)
+    if not wd >= 0 or math.isinf(wd):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
+    return wd
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------
+# the functional core: element-wise, in place where it can be
+
+
+def with_weight_decay(G: torch.Tensor, X: torch.Tensor, weight_decay: float) -> torch.Tensor:
+    """g + λ·x (a new tensor; G itself is left alone). λ = 0 returns G."""
+    return G.add(X, alpha=weight_decay) if weight_decay else G
+
+
+def cdsgd_update(mixed: torch.Tensor, G: torch.Tensor, lr: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x ← Σ_l π_jl x_l − α g, with ``mixed`` = Σ_l π_jl x_l."""
+    return torch.add(mixed, G, alpha=-lr, out=out) if out is not None else torch.add(mixed, G, alpha=-lr)
+
+
+def momentum_update(
+    mixed: torch.Tensor,
+    G: torch.Tensor,
+    buf: torch.Tensor,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """m ← μ m − α g (``buf`` in place); x ← mixed + μ m − α g (Nesterov) or mixed + m."""
+    buf.mul_(momentum).add_(G, alpha=-lr)
+    if nesterov:
+        new = torch.add(mixed, buf, alpha=momentum, out=out) if out is not None else torch.add(mixed, buf, alpha=momentum)
+        return new.add_(G, alpha=-lr)
+    return torch.add(mixed, buf, out=out) if out is not None else torch.add(mixed, buf)
+
+
+# --------------------------------------------------------------------------
+# step sizes
+
+
+class StepSize:
+    """α_k: ``constant`` (α₀) or ``diminishing`` (α₀ / (1 + k/τ)^p, 0.5 < p ≤ 1).
+
+    >>> s = StepSize(0.1, "diminishing", tau=10, power=1.0)
+    >>> [round(s(k), 4) for k in (0, 10, 30)]
+    [0.1, 0.05, 0.025]
+    """
+
+    SCHEDULES = ("constant", "diminishing")
+
+    def __init__(self, lr: float, schedule: str = "constant", *, tau: float = 1000.0, power: float = 1.0) -> None:
+        self.lr = check_lr(lr)
+        if schedule not in self.SCHEDULES:
+            raise ValueError(f"lr_schedule {schedule!r} is unknown; allowed: {', '.join(self.SCHEDULES)}")
+        self.schedule = schedule
+        self.tau = _number("lr_tau", tau)
+        if not self.tau > 0:
+            raise ValueError(f"lr_tau must be > 0, got {tau!r}")
+        self.power = _number("lr_power", power)
+        if not 0.5 < self.power <= 1:
+            raise ValueError(
+                f"lr_power must be in (0.5, 1] so that Σα = ∞ and Σα² < ∞, got {power!r}"
+            )
+
+    def __call__(self, k: int) -> float:
+        if self.schedule == "constant":
+            return self.lr
+        return self.lr / (1.0 + k / self.tau) ** self.power
+
+
+# --------------------------------------------------------------------------
+# the algorithms, as executors see them
+
+ALGORITHMS: Registry[type["Algorithm"]] = Registry("algorithm")
+
+
+class Algorithm:
+    """One update rule with its hyperparameters.
+
+    Executors call, per step k: ``mask = participants(k)``; compute G at X
+    (rows outside ``mask`` may be skipped); ``X = update(X, G, state, k=k,
+    mixer=mixer, mixed=...)``. When ``mixes_params`` is true the rule needs
+    Π X, and the executor may start that exchange before the backward pass
+    and pass its handle as ``mixed``; otherwise the rule calls the mixer
+    itself (on gradients, or on parameters at the end of a FedAvg round).
+    """
+
+    name: ClassVar[str]
+    #: "neighbours" (point-to-point only), "allreduce" or "none"
+    traffic: ClassVar[str]
+    #: the rule mixes the pre-update parameters (Π X): the exchange can overlap the backward pass
+    mixes_params: ClassVar[bool] = False
+    #: all agents must start from the same parameters (one model: sgd, msgd, fedavg)
+    same_init: ClassVar[bool] = False
+
+    def __init__(self, *, lr: float, lr_schedule: str = "constant", lr_tau: float = 1000.0,
+                 lr_power: float = 1.0, weight_decay: float = 0.0) -> None:
+        self.step_size = StepSize(lr, lr_schedule, tau=lr_tau, power=lr_power)
+        self.weight_decay = check_weight_decay(weight_decay)
+
+    def bind(self, *, n_agents: int, steps_per_epoch: int, seed: int) -> "Algorithm":
+        """Tell the rule the system it runs in (FedAvg needs it). Returns self."""
+        self.n_agents, self.steps_per_epoch, self.seed = n_agents, steps_per_epoch, seed
+        return self
+
+    def init_state(self, X: torch.Tensor) -> dict:
+        return {}
+
+    def participants(self, k: int) -> torch.Tensor | None:
+        """Boolean mask of the agents that compute a gradient at step k (None: all)."""
+        return None
+
+    def update(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer,
+               mixed: Handle | torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(lr={self.step_size.lr}, schedule={self.step_size.schedule!r})"
+
+
+def _mixed(X: torch.Tensor, mixer: Mixer, mixed) -> torch.Tensor:
+    if mixed is None:
+        return mixer.mix(X)
+    return mixed.wait() if isinstance(mixed, Handle) else mixed
+
+
+class _MomentumMixin:
+    def _init_momentum(self, momentum: float, nesterov: bool) -> None:
+        self.momentum = check_momentum(momentum)
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"nesterov must be true or false, got {nesterov!r}")
+        self.nesterov = nesterov
+
+    def init_state(self, X: torch.Tensor) -> dict:
+        return {"momentum": torch.zeros_like(X)}
+
+
+@ALGORITHMS.register("cdsgd")
+class CDSGDAlgorithm(Algorithm):
+    name, traffic, mixes_params = "cdsgd", "neighbours", True
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        G = with_weight_decay(G, X, self.weight_decay)
+        return cdsgd_update(_mixed(X, mixer, mixed), G, self.step_size(k))
+
+
+@ALGORITHMS.register("cdmsgd")
+class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
+    name, traffic, mixes_params = "cdmsgd", "neighbours", True
+
+    def __init__(self, *, momentum: float = 0.95, nesterov: bool = True, **common) -> None:
+        super().__init__(**common)
+        self._init_momentum(momentum, nesterov)
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        G = with_weight_decay(G, X, self.weight_decay)
+        return momentum_update(_mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
+                               self.momentum, self.nesterov)
+
+
+@ALGORITHMS.register("sgd")
+class SGDAlgorithm(Algorithm):
+    name, traffic, same_init = "sgd", "allreduce", True
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        G = mixer.average(with_weight_decay(G, X, self.weight_decay))
+        return cdsgd_update(X, G, self.step_size(k))
+
+
+@ALGORITHMS.register("msgd")
+class MSGDAlgorithm(_MomentumMixin, Algorithm):
+    name, traffic, same_init = "msgd", "allreduce", True
+
+    def __init__(self, *, momentum: float = 0.95, nesterov: bool = True, **common) -> None:
+        super().__init__(**common)
+        self._init_momentum(momentum, nesterov)
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        G = mixer.average(with_weight_decay(G, X, self.weight_decay))
+        return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov)
+
+
+@ALGORITHMS.register("fedavg")
+class FedAvgAlgorithm(Algorithm):
+    name, traffic, same_init = "fedavg", "allreduce", True
+
+    def __init__(self, *, local_steps: int | None = None, local_epochs: int | None = None,
+                 fedavg_fraction: float = 1.0, **common) -> None:
+        super().__init__(**common)
+        if local_steps is not None and local_epochs is not None:
+            raise ValueError(f"give local_steps or local_epochs, not both (got {local_steps} and {local_epochs})")
+        self.local_steps = None if local_steps is None else _check_int("local_steps", local_steps, 1)
+        self.local_epochs = None if local_epochs is None else _check_int("local_epochs", local_epochs, 1)
+        if local_steps is None and local_epochs is None:
+            self.local_epochs = 1  # the paper's FedAvg: one local epoch per round
+        fraction = _number("fedavg_fraction", fedavg_fraction)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fedavg_fraction must be in (0, 1], got {fedavg_fraction!r}")
+        self.fraction = fraction
+
+    @property
+    def round_length(self) -> int:
+        return self.local_steps if self.local_steps is not None else self.local_epochs * self.steps_per_epoch
+
+    def participants(self, k: int) -> torch.Tensor | None:
+        if self.fraction == 1.0:
+            return None
+        r = k // self.round_length
+        g = torch.Generator().manual_seed(derive_seed(self.seed, "fedavg", r))
+        m = max(1, round(self.fraction * self.n_agents))
+        mask = torch.zeros(self.n_agents, dtype=torch.bool)
+        mask[torch.randperm(self.n_agents, generator=g)[:m]] = True
+        return mask
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        G = with_weight_decay(G, X, self.weight_decay)
+        new = cdsgd_update(X, G, self.step_size(k))
+        mask = self.participants(k)
+        if mask is not None:
+            new = torch.where(_rows(mask, X), new, X)
+        if (k + 1) % self.round_length == 0:
+            new = mixer.average(new, mask)
+        return new
+
+
+def _rows(mask: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """An N-mask broadcastable over an N×... stack (for one rank's P-vector, its own entry)."""
+    return mask.view(-1, *([1] * (X.dim() - 1))) if X.dim() > 1 else mask
+
+
+@ALGORITHMS.register("local")
+class LocalAlgorithm(_MomentumMixin, Algorithm):
+    name, traffic = "local", "none"
+
+    def __init__(self, *, momentum: float = 0.0, nesterov: bool = True, **common) -> None:
+        super().__init__(**common)
+        self._init_momentum(momentum, nesterov)
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        G = with_weight_decay(G, X, self.weight_decay)
+        if self.momentum:
+            return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov)
+        return cdsgd_update(X, G, self.step_size(k))
+
+
+def algorithm_params(name: str) -> list[str]:
+    """The hyperparameters ``make_algorithm(name, ...)`` accepts."""
+    import inspect
+
+    names = []
+    for klass in ALGORITHMS.get(name).__mro__[:-1]:  # all but object
+        if "__init__" in klass.__dict__:
+            params = inspect.signature(klass.__dict__["__init__"]).parameters.values()
+            names += [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in names]
+    return names
+
+
+def make_algorithm(name: str, **hyper) -> Algorithm:
+    """The algorithm ``name`` with hyperparameters ``hyper``.
+
+    Common: ``lr`` (required), ``lr_schedule``, ``lr_tau``, ``lr_power``,
+    ``weight_decay``. ``cdmsgd``/``msgd``: ``momentum`` (0.95), ``nesterov``
+    (True). ``local``: ``momentum`` (0), ``nesterov``. ``fedavg``:
+    ``local_steps`` or ``local_epochs`` (1 epoch by default), ``fedavg_fraction``.
+    Unknown names and hyperparameters are refused, naming the allowed ones.
+    """
+    klass = ALGORITHMS.get(name)
+    allowed = algorithm_params(name)
+    unknown = sorted(set(hyper) - set(allowed))
+    if unknown:
+        raise ValueError(f"algorithm {name!r} takes no hyperparameter {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    if "lr" not in hyper:
+        raise ValueError(f"algorithm {name!r} needs lr")
+    return klass(**hyper)
+
+
+# --------------------------------------------------------------------------
+# torch.optim-style classes for a user's own training loop
+
+
+class _ConsensusOptimizer(torch.optim.Optimizer):
+    """Shared machinery of :class:`CDSGD` and :class:`CDMSGD`.
+
+    All parameters (of all groups) are flattened into one preallocated
+    buffer and exchanged together. :meth:`post` starts the exchange of the
+    current parameters (call it before the backward pass to overlap
+    communication with computation); :meth:`step` waits for it (posting it
+    first if needed) and applies the update with each group's hyperparameters.
+    """
+
+    def __init__(self, params, defaults: dict, mixer: Mixer) -> None:
+        if not isinstance(mixer, Mixer):
+            raise ValueError(f"mixer must be a cdsgd.mixing.Mixer, got {type(mixer).__name__}")
+        super().__init__(params, defaults)
+        self.mixer = mixer
+        self._handle: Handle | None = None
+        params = self._params()
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        first = params[0]
+        self._flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def post(self) -> None:
+        """Start exchanging the current parameters with the neighbours."""
+        offset = 0
+        for p in self._params():
+            n = p.numel()
+            self._flat[offset:offset + n].copy_(p.reshape(-1))
+            offset += n
+        self._handle = self.mixer.start(self._flat)
+
+    def _update(self, p: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, group: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._handle is None:
+            self.post()
+        mixed_flat, self._handle = self._handle.wait(), None
+        offset = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                n = p.numel()
+                mixed = mixed_flat[offset:offset + n].view_as(p)
+                offset += n
+                g = torch.zeros_like(p) if p.grad is None else p.grad
+                g = with_weight_decay(g, p, group["weight_decay"])
+                p.copy_(self._update(p, mixed, g, group))
+        return loss
+
+
+class CDSGD(_ConsensusOptimizer):
+    r"""Consensus-based distributed SGD for one agent: x ← Σ_l π_jl x_l − α g(x).
+
+    Args:
+        params: the agent's parameters (or parameter groups).
+        mixer: a Mixer whose ``start(x)`` exchanges this agent's flat
+            P-vector with its neighbours (e.g. the runtime's neighbour mixer).
+        lr: step size α (> 0), keyword-only like every tunable.
+        weight_decay: L2 coefficient λ (g ← g + λx), >= 0.
+
+    Use ``opt.post()`` before the backward pass to overlap the exchange,
+    then ``opt.step()``; or just ``opt.step()``.
+    """
+
+    def __init__(self, params, mixer: Mixer, *, lr: float, weight_decay: float = 0.0) -> None:
+        defaults = {"lr": check_lr(lr), "weight_decay": check_weight_decay(weight_decay)}
+        super().__init__(params, defaults, mixer)
+
+    def _update(self, p, mixed, g, group):
+        return cdsgd_update(mixed, g, group["lr"])
+
+
+class CDMSGD(_ConsensusOptimizer):
+    r"""CDSGD with a local momentum buffer (never mixed), for one agent.
+
+    m ← μ m − α g;  x ← Σ_l π_jl x_l + μ m − α g (``nesterov=True``, the
+    paper's form) or x ← Σ_l π_jl x_l + m (heavy ball). The buffer is kept in
+    ``self.state[p]["momentum_buffer"]``.
+
+    Args:
+        params, mixer: as for :class:`CDSGD`.
+        lr: α > 0. momentum: μ in [0, 1) (default 0.95, the paper's).
+        nesterov: Nesterov form (default) or heavy ball. weight_decay: λ >= 0.
+    """
+
+    def __init__(self, params, mixer: Mixer, *, lr: float, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0) -> None:
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"nesterov must be true or false, got {nesterov!r}")
+        defaults = {"lr": check_lr(lr), "momentum": check_momentum(momentum), "nesterov": nesterov,
+                    "weight_decay": check_weight_decay(weight_decay)}
+        super().__init__(params, defaults, mixer)
+
+    def _update(self, p, mixed, g, group):
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        return momentum_update(mixed, g, state["momentum_buffer"], group["lr"], group["momentum"], group["nesterov"])

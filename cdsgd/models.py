@@ -1,0 +1,147 @@
+"""The paper's networks and small baselines, by name.
+
+``build_model(name, input_shape, n_classes, **options)`` returns an
+``nn.Module`` mapping a batch of shape (B, *input_shape) to (B, n_classes)
+logits. Input shape and class count come from the data set, so every model
+runs on every image data set (8×8 digits, 28×28 MNIST, 32×32 CIFAR):
+convolutions are 3×3 (5×5 for LeNet) with "same" padding and the width of
+the first dense layer is found by a dry run.
+
+=============  =============================================================
+``logreg``     multinomial logistic regression (one dense layer)
+``mlp``        dense ReLU layers ``hidden`` (default 256, 128)
+``fcn``        the paper's FCN: 20 dense ReLU layers of 50 units
+``lenet``      conv6(5×5)-pool-conv16(5×5)-pool-fc120-fc84
+``cnn``        the paper's CNN: conv32-conv32-pool-dropout0.25-conv64-conv64-
+               pool-dropout0.25-fc512 (3×3 ReLU convolutions)
+``big_cnn``    the paper's Big_CNN: VGG-like blocks 3×conv64, 3×conv128,
+               3×conv256, each followed by max-pooling and dropout 0.5, then
+               two fc512
+=============  =============================================================
+
+>>> m = build_model("cnn", (1, 28, 28), 10)
+>>> m(torch.zeros(2, 1, 28, 28)).shape
+torch.Size([2, 10])
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from topologies import Registry
+
+__all__ = ["MODELS", "build_model", "has_convolutions", "n_parameters", "vmap_blockers"]
+
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+
+
+def _dense_head(features: nn.Module, input_shape, widths: Sequence[int], n_classes: int,
+                dropout: float = 0.0) -> nn.Sequential:
+    with torch.no_grad():
+        flat = features(torch.zeros(1, *input_shape)).numel()
+    layers: list[nn.Module] = [features, nn.Flatten()]
+    for w in widths:
+        layers += [nn.Linear(flat, w), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        flat = w
+    layers.append(nn.Linear(flat, n_classes))
+    return nn.Sequential(*layers)
+
+
+def _conv_block(c_in: int, c_out: int, n: int, kernel: int = 3) -> list[nn.Module]:
+    layers: list[nn.Module] = []
+    for i in range(n):
+        layers += [nn.Conv2d(c_in if i == 0 else c_out, c_out, kernel, padding=kernel // 2), nn.ReLU()]
+    return layers
+
+
+def _channels(input_shape) -> int:
+    if len(input_shape) != 3:
+        raise ValueError(f"convolutional models need images of shape (C, H, W), got input_shape {tuple(input_shape)}")
+    return input_shape[0]
+
+
+@MODELS.register("logreg")
+def logreg(input_shape, n_classes):
+    return _dense_head(nn.Identity(), input_shape, [], n_classes)
+
+
+@MODELS.register("mlp")
+def mlp(input_shape, n_classes, hidden: Sequence[int] = (256, 128)):
+    return _dense_head(nn.Identity(), input_shape, list(hidden), n_classes)
+
+
+@MODELS.register("fcn")
+def fcn(input_shape, n_classes, depth: int = 20, width: int = 50):
+    return _dense_head(nn.Identity(), input_shape, [width] * depth, n_classes)
+
+
+@MODELS.register("lenet")
+def lenet(input_shape, n_classes):
+    c = _channels(input_shape)
+    features = nn.Sequential(*_conv_block(c, 6, 1, 5), nn.MaxPool2d(2), *_conv_block(6, 16, 1, 5), nn.MaxPool2d(2))
+    return _dense_head(features, input_shape, [120, 84], n_classes)
+
+
+@MODELS.register("cnn")
+def cnn(input_shape, n_classes):
+    c = _channels(input_shape)
+    features = nn.Sequential(
+        *_conv_block(c, 32, 2), nn.MaxPool2d(2), nn.Dropout(0.25),
+        *_conv_block(32, 64, 2), nn.MaxPool2d(2), nn.Dropout(0.25),
+    )
+    return _dense_head(features, input_shape, [512], n_classes)
+
+
+@MODELS.register("big_cnn")
+def big_cnn(input_shape, n_classes):
+    c = _channels(input_shape)
+    blocks: list[nn.Module] = []
+    for c_in, c_out in ((c, 64), (64, 128), (128, 256)):
+        blocks += [*_conv_block(c_in, c_out, 3), nn.MaxPool2d(2), nn.Dropout(0.5)]
+    return _dense_head(nn.Sequential(*blocks), input_shape, [512, 512], n_classes)
+
+
+def build_model(name: str, input_shape: Sequence[int], n_classes: int, **options) -> nn.Module:
+    """The model ``name`` for inputs of ``input_shape`` and ``n_classes`` classes."""
+    fn = MODELS.get(name)
+    input_shape = tuple(int(s) for s in input_shape)
+    if not input_shape or any(s < 1 for s in input_shape):
+        raise ValueError(f"input_shape must be positive sizes, got {input_shape}")
+    if not isinstance(n_classes, int) or n_classes < 2:
+        raise ValueError(f"n_classes must be an integer >= 2, got {n_classes!r}")
+    try:
+        return fn(input_shape, n_classes, **options)
+    except TypeError as e:
+        raise ValueError(f"model {name!r}: bad options {sorted(options)} ({e})") from None
+
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def vmap_blockers(module: nn.Module) -> list[str]:
+    """Why agents of this model cannot be stacked under ``torch.vmap`` exactly.
+
+    Dropout would draw from one shared stream instead of each agent's own, and
+    buffers (batch norm statistics) are per agent. Empty list: vmap is exact.
+    """
+    reasons = []
+    if any(isinstance(m, _DROPOUT) and m.p > 0 for m in module.modules()):
+        reasons.append("it has dropout (each agent needs its own random stream)")
+    if any(True for _ in module.buffers()):
+        reasons.append("it has buffers such as batch-norm statistics (kept per agent)")
+    return reasons
+
+
+def has_convolutions(module: nn.Module) -> bool:
+    return any(isinstance(m, _CONV) for m in module.modules())
+
+
+def n_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+

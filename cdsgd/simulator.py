@@ -1,0 +1,566 @@
+r"""The single-process simulator: N agents stacked in one process.
+
+All agents' flat parameters live in one N×P buffer ``X``, so the mixing of a
+CDSGD step is one matrix product Π X. Each step is synchronous: every agent
+computes its gradient at the same iterate, then the update rule of
+:mod:`cdsgd.algorithms` is applied to the whole stack.
+
+Independence of agents. Agent j has its own model instance (for buffers),
+its own momentum rows, its own data order and its own random streams, all
+seeded from (seed, j) by :func:`cdsgd.seeding.derive_seed`:
+
+* ``init="same"`` (default): one model is built under seed (seed, "init")
+  and copied to every agent; ``init="independent"``: agent j's model is built
+  under (seed, j, "init"). Algorithms that stand for one model (sgd, msgd,
+  fedavg) always start every agent from agent 0's parameters.
+* data order: agent j draws batches from an endless concatenation of
+  permutations of its shard, drawn by the generator (seed, j, "data"); every
+  sample is seen once per pass and all batches are full.
+* dropout: agent j's forward passes run on its own RNG state, seeded with
+  (seed, j, "dropout"); the global RNG is left as it was.
+
+So rank j of the distributed runtime can reproduce agent j step for step.
+
+Epoch: ``steps_per_epoch = ceil(mean shard size / batch_size)`` synchronous
+steps (all shards are equal with the ``iid`` partition).
+
+Two execution strategies with identical numerics (to float rounding):
+
+``loop``   for each agent, ``torch.func.grad`` of its loss through
+           ``functional_call`` on its own module;
+``vmap``   the same function vectorised over agents with ``torch.vmap``.
+
+``strategy="auto"`` picks ``vmap`` for models without convolutions, dropout
+or buffers (dense networks: measured 1.5–1.8× faster than the loop on 2 CPU
+cores) and ``loop`` otherwise (for CNNs vmap measured 0.4–0.7× the loop;
+dropout and buffers need per-agent state that vmap cannot keep exactly).
+Forcing ``vmap`` on a model with dropout or buffers is refused.
+
+Metrics of an evaluation (see :meth:`Simulator.evaluate`): mean train loss,
+per-agent test loss/accuracy averaged over agents, test accuracy of the
+average model x̄, consensus distance sqrt(mean_j ‖x_j − x̄‖²), and the mean
+bytes each agent has sent. Evaluation cost is bounded by ``eval_batch_size``
+(chunks), ``eval_agents`` (evaluate k evenly spaced agents) and
+``eval_samples`` (a fixed random subset of the test set).
+
+Example (4 agents on a ring learn a linear classifier)::
+
+    >>> import torch, topologies
+    >>> from torch import nn
+    >>> g = torch.Generator().manual_seed(0)
+    >>> Xs = torch.randn(400, 5, generator=g); ys = (Xs[:, 0] > 0).long()
+    >>> shards = [(Xs[i::4], ys[i::4]) for i in range(4)]
+    >>> W = topologies.mixing_matrix(topologies.build("ring", 4))
+    >>> result = simulate(lambda: nn.Linear(5, 2), shards, W, "cdsgd", lr=0.5,
+    ...                   epochs=5, batch_size=20, test_set=(Xs, ys))
+    >>> result.metrics[-1]["test_accuracy"] > 0.9, result.params.shape
+    (True, torch.Size([4, 12]))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from .algorithms import Algorithm, algorithm_params, make_algorithm
+from .mixing import MatrixMixer, Mixer
+from .models import has_convolutions, vmap_blockers
+from .seeding import derive_seed, generator
+
+__all__ = [
+    "BatchStream",
+    "METRIC_COLUMNS",
+    "ParamLayout",
+    "SimulationResult",
+    "Simulator",
+    "simulate",
+]
+
+#: the columns of a metrics row, in the order of the run-output contract
+METRIC_COLUMNS = (
+    "epoch",
+    "step",
+    "train_loss",
+    "test_loss",
+    "test_accuracy",
+    "test_accuracy_avg_model",
+    "consensus_distance",
+    "bytes_sent_per_agent",
+    "wall_seconds",
+)
+
+STRATEGIES = ("auto", "loop", "vmap")
+INITS = ("same", "independent")
+
+
+class ParamLayout:
+    """Where each named parameter of a model lives in the flat P-vector."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names, self.shapes, self.offsets = [], [], []
+        offset = 0
+        for name, p in module.named_parameters():
+            self.names.append(name)
+            self.shapes.append(p.shape)
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+
+    def flatten(self, module: nn.Module) -> torch.Tensor:
+        """The module's parameters as one flat detached P-vector (a copy)."""
+        return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name → view of ``flat`` in that parameter's shape.
+
+        ``flat`` is a P-vector, or a stack (…, P) of them: then each view has
+        the leading dimensions too (an N×P stack gives N×shape views).
+        """
+        lead = flat.shape[:-1]
+        return {
+            name: flat[..., o:o + math.prod(s)].view(*lead, *s)
+            for name, s, o in zip(self.names, self.shapes, self.offsets)
+        }
+
+    def load_into(self, module: nn.Module, flat: torch.Tensor) -> None:
+        """Copy a flat P-vector into the module's parameters."""
+        with torch.no_grad():
+            for p, v in zip(module.parameters(), self.views(flat).values()):
+                p.copy_(v)
+
+
+class BatchStream:
+    """Endless full batches of indices 0..n-1: concatenated random permutations.
+
+    Batch k is positions [k·b, (k+1)·b) of perm₀ ‖ perm₁ ‖ …, so each pass
+    covers every index once and every batch has exactly ``batch_size``
+    indices (also when n < batch_size).
+
+    >>> s = BatchStream(5, 2, torch.Generator().manual_seed(0))
+    >>> sorted(torch.cat([s.next() for _ in range(5)]).tolist())
+    [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    """
+
+    def __init__(self, n: int, batch_size: int, gen: torch.Generator) -> None:
+        if n < 1:
+            raise ValueError(f"an agent's shard is empty (n={n}); every agent needs data")
+        self.n, self.batch_size, self.gen = n, batch_size, gen
+        self._perm = torch.randperm(n, generator=gen)
+        self._pos = 0
+
+    def next(self) -> torch.Tensor:
+        parts, need = [], self.batch_size
+        while need:
+            if self._pos == self.n:
+                self._perm = torch.randperm(self.n, generator=self.gen)
+                self._pos = 0
+            take = min(need, self.n - self._pos)
+            parts.append(self._perm[self._pos:self._pos + take])
+            self._pos += take
+            need -= take
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` returns."""
+
+    #: one dict per evaluation with the keys of METRIC_COLUMNS
+    metrics: list[dict]
+    #: final N×P parameters
+    params: torch.Tensor
+    simulator: "Simulator" = field(repr=False)
+
+
+def _check_positive_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+class _AgentRNG:
+    """Per-agent global-RNG states: run agent j's forward on its own stream."""
+
+    def __init__(self, seed: int, n_agents: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        saved = self._get()
+        self.states = []
+        for j in range(n_agents):
+            torch.manual_seed(derive_seed(seed, j, "dropout"))
+            self.states.append(self._get())
+        self._set(saved)
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
+
+    def _set(self, state) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def run(self, j: int, fn: Callable, *args):
+        saved = self._get()
+        self._set(self.states[j])
+        try:
+            return fn(*args)
+        finally:
+            self.states[j] = self._get()
+            self._set(saved)
+
+
+class Simulator:
+    """N agents, one process. See the module docstring for the semantics.
+
+    Args:
+        model_fn: builds one agent's ``nn.Module`` (called under a seeded RNG).
+        shards: per-agent training data, a sequence of (inputs, targets) tensor pairs.
+        W: the N×N mixing matrix (numpy or nested lists), or a ready Mixer.
+            Not used by ``sgd``, ``msgd``, ``fedavg`` (all-average) nor by
+            ``local``; pass ``None`` there to use Π = 11ᵀ/N for bookkeeping.
+        algorithm: a name (with ``**hyper`` for :func:`make_algorithm`) or an Algorithm.
+        batch_size: per-agent batch size.
+        seed: the root of every random stream.
+        init: ``"same"`` or ``"independent"``.
+        strategy: ``"auto"``, ``"loop"`` or ``"vmap"``.
+        loss_fn: ``loss_fn(outputs, targets)``, mean over the batch (default cross-entropy).
+        test_set: (inputs, targets) for evaluation, or None (test metrics are NaN).
+        eval_batch_size, eval_agents, eval_samples: bound the cost of evaluation.
+        exact: mix with the ordered multiply-add of the runtime's exact mode.
+        device: where parameters and data live (default: the model's device).
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        W=None,
+        algorithm: str | Algorithm = "cdmsgd",
+        *,
+        batch_size: int = 32,
+        seed: int = 0,
+        init: str = "same",
+        strategy: str = "auto",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        test_set: tuple[torch.Tensor, torch.Tensor] | None = None,
+        eval_batch_size: int = 1024,
+        eval_agents: int | None = None,
+        eval_samples: int | None = None,
+        exact: bool = False,
+        device: str | torch.device | None = None,
+        **hyper,
+    ) -> None:
+        self.n_agents = n = len(shards)
+        if n < 1:
+            raise ValueError("shards is empty; the simulator needs at least one agent")
+        for j, shard in enumerate(shards):
+            if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
+                raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
+            if len(shard[0]) != len(shard[1]):
+                raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
+        self.batch_size = _check_positive_int("batch_size", batch_size)
+        self.seed = _check_positive_int("seed", seed, 0)
+        if init not in INITS:
+            raise ValueError(f"init {init!r} is unknown; allowed: {', '.join(INITS)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
+        self.eval_batch_size = _check_positive_int("eval_batch_size", eval_batch_size)
+        if eval_agents is not None:
+            _check_positive_int("eval_agents", eval_agents)
+        if eval_samples is not None:
+            _check_positive_int("eval_samples", eval_samples)
+
+        if isinstance(algorithm, str):
+            allowed = algorithm_params(algorithm)
+            unknown = sorted(set(hyper) - set(allowed))
+            if unknown:
+                import inspect
+
+                own = [p for p in inspect.signature(Simulator).parameters if p not in ("hyper",)]
+                raise ValueError(
+                    f"unknown option {unknown[0]!r}: not a Simulator option ({', '.join(own)}) "
+                    f"nor a hyperparameter of algorithm {algorithm!r} ({', '.join(allowed)})"
+                )
+            algorithm = make_algorithm(algorithm, **hyper)
+        elif hyper:
+            raise ValueError(f"hyperparameters {sorted(hyper)} given with a ready Algorithm; set them on it")
+        self.algorithm = algorithm
+
+        # --- the mixer
+        if isinstance(W, Mixer):
+            self.mixer = W
+        elif W is None:
+            if algorithm.traffic == "neighbours":
+                raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
+            self.mixer = MatrixMixer(np.full((n, n), 1.0 / n), exact=exact)
+        else:
+            W = np.asarray(W, dtype=np.float64)
+            if W.shape != (n, n):
+                raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
+            self.mixer = MatrixMixer(W, exact=exact)
+        if self.mixer.n_agents != n:
+            raise ValueError(f"mixer is for {self.mixer.n_agents} agents but there are {n} shards")
+
+        # --- models and the N×P parameter stack
+        # (with init="same" every agent's module is built under the same seed: identical copies)
+        self.models = [
+            self._seeded(derive_seed(self.seed, "init") if init == "same" else derive_seed(self.seed, j, "init"),
+                         model_fn)
+            for j in range(n)
+        ]
+        template = self.models[0]
+        self.layout = ParamLayout(template)
+        if self.layout.numel == 0:
+            raise ValueError("the model has no parameters")
+        first = next(template.parameters())
+        self.device = torch.device(device) if device is not None else first.device
+        for m in self.models:
+            m.to(self.device)
+        self.X = torch.stack([self.layout.flatten(m) for m in self.models]).to(self.device)
+        if algorithm.same_init:
+            self.X[:] = self.X[0].clone()
+        self.dtype = self.X.dtype
+
+        blockers = vmap_blockers(template)
+        if strategy == "auto":
+            strategy = "loop" if blockers or has_convolutions(template) else "vmap"
+        elif strategy == "vmap" and blockers:
+            raise ValueError(f"strategy 'vmap' cannot simulate this model exactly: {'; '.join(blockers)}; use 'loop'")
+        self.strategy = strategy
+        self.loss_fn = loss_fn
+        self._dropout = bool(blockers)  # per-agent RNG streams matter only for models that draw
+        self._grad_fns = [grad_and_value(self._loss(j)) for j in range(n)]
+        self._vmap_grad = vmap(grad_and_value(self._loss(0)))
+        for m in self.models:
+            m.train()
+
+        # --- data, per-agent streams
+        self.shards = [(x.to(self.device), y.to(self.device)) for x, y in shards]
+        self.streams = [BatchStream(len(y), self.batch_size, generator(self.seed, j, "data"))
+                        for j, (_, y) in enumerate(self.shards)]
+        mean_shard = sum(len(y) for _, y in self.shards) / n
+        self.steps_per_epoch = max(1, math.ceil(mean_shard / self.batch_size))
+        self.rng = _AgentRNG(self.seed, n, self.device)
+        algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
+        self.state = algorithm.init_state(self.X)
+        self._G = torch.zeros_like(self.X)
+
+        self.test_set = None
+        if test_set is not None:
+            tx, ty = test_set
+            if eval_samples is not None and eval_samples < len(ty):
+                keep = torch.randperm(len(ty), generator=generator(self.seed, "eval"))[:eval_samples]
+                tx, ty = tx[keep], ty[keep]
+            self.test_set = (tx.to(self.device), ty.to(self.device))
+        self.eval_agents = (
+            list(range(n)) if eval_agents is None or eval_agents >= n
+            else sorted({int(round(v)) for v in np.linspace(0, n - 1, eval_agents)})
+        )
+
+        self.k = 0
+        self._loss_sum, self._loss_count = 0.0, 0
+        self._wall = 0.0
+
+    # ------------------------------------------------------------------ parts
+
+    @staticmethod
+    def _seeded(seed: int, model_fn: Callable[[], nn.Module]) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+        return model
+
+    def _loss(self, j: int):
+        """loss(params, xb, yb) for agent j's module; params is a name → tensor dict.
+
+        Gradients are taken with respect to that dict, not the flat vector:
+        differentiating through P-long views would cost O(#tensors × P).
+        """
+        model, loss_fn = self.models[j], self.loss_fn
+
+        def loss(params, xb, yb):
+            return loss_fn(functional_call(model, params, (xb,)), yb)
+
+        return loss
+
+    def _gradients(self, X: torch.Tensor, agents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-agent gradients (N×P; rows of agents not listed are zero) and batch losses."""
+        G = self._G
+        if len(agents) < self.n_agents:
+            G.zero_()
+        batches = []
+        for j in agents:
+            idx = self.streams[j].next()
+            x, y = self.shards[j]
+            batches.append((x[idx], y[idx]))
+        views = self.layout.views
+        if self.strategy == "vmap":
+            if len(agents) == self.n_agents:
+                params, gviews = views(X), views(G)
+                xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+                g, losses = self._vmap_grad(params, xb, yb)
+                for name, v in gviews.items():
+                    v.copy_(g[name])
+            else:
+                rows = torch.tensor(agents, device=X.device)
+                xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+                g, losses = self._vmap_grad(views(X[rows]), xb, yb)
+                G[rows] = torch.cat([g[name].reshape(len(agents), -1) for name in self.layout.names], dim=1)
+            return G, losses.detach()
+        losses = []
+        for j, (xb, yb) in zip(agents, batches):
+            if self._dropout:
+                g, loss = self.rng.run(j, self._grad_fns[j], views(X[j]), xb, yb)
+            else:
+                g, loss = self._grad_fns[j](views(X[j]), xb, yb)
+            for name, v in views(G[j]).items():
+                v.copy_(g[name])
+            losses.append(loss.detach())
+        return G, torch.stack(losses)
+
+    # ------------------------------------------------------------------- step
+
+    def step(self) -> float:
+        """One synchronous step of every agent. Returns the mean batch loss."""
+        t0 = time.perf_counter()
+        alg, X, k = self.algorithm, self.X, self.k
+        mask = alg.participants(k)
+        agents = list(range(self.n_agents)) if mask is None else mask.nonzero().flatten().tolist()
+        handle = self.mixer.start(X) if alg.mixes_params else None
+        G, losses = self._gradients(X, agents)
+        new = alg.update(X, G, self.state, k=k, mixer=self.mixer, mixed=handle)
+        X.copy_(new)
+        self.k += 1
+        total = float(losses.sum())
+        loss = total / len(agents)
+        self._loss_sum += total
+        self._loss_count += len(agents)
+        self._wall += time.perf_counter() - t0
+        return loss
+
+    # --------------------------------------------------------------- evaluate
+
+    def consensus_distance(self) -> float:
+        """sqrt(mean_j ‖x_j − x̄‖²)."""
+        X = self.X.double()
+        return float(((X - X.mean(dim=0)) ** 2).sum(dim=1).mean().sqrt())
+
+    @torch.no_grad()
+    def _eval_params(self, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Mean test loss and accuracy of each row of ``flats`` (evaluated with module model_ids[i])."""
+        tx, ty = self.test_set
+        n = len(ty)
+        loss_sum = np.zeros(len(model_ids))
+        correct = np.zeros(len(model_ids))
+        for start in range(0, n, self.eval_batch_size):
+            xb, yb = tx[start:start + self.eval_batch_size], ty[start:start + self.eval_batch_size]
+            if self.strategy == "vmap":
+                model, views = self.models[0], self.layout.views
+                out = vmap(lambda f: functional_call(model, views(f), (xb,)))(flats)
+                outs = list(out)
+            else:
+                outs = [functional_call(self.models[m], self.layout.views(f), (xb,))
+                        for m, f in zip(model_ids, flats)]
+            for i, o in enumerate(outs):
+                loss_sum[i] += float(self.loss_fn(o, yb)) * len(yb)
+                if o.dim() == 2 and yb.dim() == 1:
+                    correct[i] += float((o.argmax(dim=1) == yb).sum())
+        return loss_sum / n, correct / n
+
+    def evaluate(self) -> dict:
+        """A metrics row (the METRIC_COLUMNS) for the current state; resets the train-loss window."""
+        train_loss = self._loss_sum / self._loss_count if self._loss_count else float("nan")
+        self._loss_sum, self._loss_count = 0.0, 0
+        row = {
+            "epoch": self.k / self.steps_per_epoch,
+            "step": self.k,
+            "train_loss": train_loss,
+            "test_loss": float("nan"),
+            "test_accuracy": float("nan"),
+            "test_accuracy_avg_model": float("nan"),
+            "consensus_distance": self.consensus_distance(),
+            "bytes_sent_per_agent": float(self.mixer.bytes_sent.mean()),
+            "wall_seconds": self._wall,
+        }
+        if self.test_set is not None:
+            for m in self.models:
+                m.eval()
+            try:
+                agents = self.eval_agents
+                loss, acc = self._eval_params(self.X[agents], agents)
+                _, acc_avg = self._eval_params(self.X.mean(dim=0, keepdim=True), [0])
+            finally:
+                for m in self.models:
+                    m.train()
+            row.update(test_loss=float(loss.mean()), test_accuracy=float(acc.mean()),
+                       test_accuracy_avg_model=float(acc_avg[0]))
+        return row
+
+    # -------------------------------------------------------------------- run
+
+    def run(self, *, epochs: float | None = None, steps: int | None = None, eval_every: int | None = None,
+            callback: Callable[[dict], None] | None = None, progress: Callable[[int], None] | None = None
+            ) -> list[dict]:
+        """Run ``epochs`` epochs (or ``steps`` steps), evaluating every ``eval_every`` steps.
+
+        ``eval_every`` defaults to one epoch; the last step is always evaluated.
+        ``callback(row)`` receives each metrics row as it is made, ``progress(k)`` each step.
+        """
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs and steps")
+        total = round(epochs * self.steps_per_epoch) if steps is None else _check_positive_int("steps", steps)
+        if epochs is not None and (not epochs > 0 or total < 1):
+            raise ValueError(f"epochs must be > 0 (at least one step), got {epochs!r}")
+        every = self.steps_per_epoch if eval_every is None else _check_positive_int("eval_every", eval_every)
+        rows = []
+        end = self.k + total
+        while self.k < end:
+            self.step()
+            if progress is not None:
+                progress(self.k)
+            if self.k % every == 0 or self.k == end:
+                row = self.evaluate()
+                rows.append(row)
+                if callback is not None:
+                    callback(row)
+        return rows
+
+    def agent_model(self, j: int) -> nn.Module:
+        """Agent j's module holding its current parameters (a live copy is loaded in)."""
+        self.layout.load_into(self.models[j], self.X[j])
+        return self.models[j]
+
+
+def simulate(
+    model_fn: Callable[[], nn.Module],
+    shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    W=None,
+    algorithm: str | Algorithm = "cdmsgd",
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    eval_every: int | None = None,
+    **options,
+) -> SimulationResult:
+    """Run the simulator on your own model, loss and per-agent data.
+
+    ``options`` are :class:`Simulator`'s keyword arguments (``batch_size``,
+    ``seed``, ``test_set``, ``loss_fn``, ...) and the algorithm's
+    hyperparameters (``lr``, ``momentum``, ...). Returns the metrics rows and
+    the final N×P parameters (row j is agent j; ``result.simulator.layout``
+    maps them back to named tensors).
+    """
+    sim = Simulator(model_fn, shards, W, algorithm, **options)
+    metrics = sim.run(epochs=epochs, steps=steps, eval_every=eval_every)
+    return SimulationResult(metrics=metrics, params=sim.X.clone(), simulator=sim)
