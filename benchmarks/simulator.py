@@ -39,15 +39,21 @@ How to read the ratios:
     the faster strategy's rate over the compute limit. 1.0 means the
     simulator costs no more than training N models one after the other by
     hand; below 1.0 is simulator overhead (per-agent RNG switching,
-    ``functional_call``/``torch.func`` transforms, flat-buffer bookkeeping,
-    mixing); above 1.0 means batching across agents beat the per-model loop.
+    ``torch.func`` transforms under vmap, mixing, the update on the N×P
+    stack); above 1.0 means the simulator beat the per-model loop (batching
+    across agents, or one fused update of the whole stack instead of
+    ``torch.optim.SGD``'s per-parameter steps).
 ``auto/limit``
     the same for the strategy ``strategy="auto"`` picks (named in the
     ``auto`` column). If it differs from ``best/limit`` the automatic choice
     is not the faster one on this machine.
 ``vmap/loop``
     the speed-up of vectorising agents with ``torch.vmap`` over the Python
-    loop (> 1: vmap is faster).
+    loop (> 1: vmap is faster), whole steps.
+``grad vmap/loop``
+    the same for the gradient part of a step alone (drawing the batches and
+    every agent's forward/backward), without the mixing and the update of
+    the N×P stack, which both strategies share.
 
 Goals (stated, not asserted; the numbers depend on the machine and load):
 the simulator should reach ≥ 0.9× the compute limit for CNNs, and vmap
@@ -139,9 +145,17 @@ def bench(name: str, n: int, steps: int, warmup: int, log) -> dict:
     single = SingleModel(name, shards[0])
     # variant -> (callable, number of calls per timed run, agent-steps per timed run)
     variants = {"limit": (single.step, n * steps, n * steps)}
-    variants["loop"] = (simulator("loop").step, steps, n * steps)
+    everyone = list(range(n))
+
+    def add(strategy: str) -> None:
+        sim = simulator(strategy)
+        variants[strategy] = (sim.step, steps, n * steps)
+        # the gradient part of a step alone (batches + forward/backward of all agents)
+        variants[strategy + "_grad"] = (lambda: sim._gradients(sim.X, everyone), steps, n * steps)
+
+    add("loop")
     try:
-        variants["vmap"] = (simulator("vmap").step, steps, n * steps)
+        add("vmap")
     except ValueError as e:
         log(f"  vmap refused: {e}")
     auto = simulator("auto").strategy
@@ -162,7 +176,8 @@ def bench(name: str, n: int, steps: int, warmup: int, log) -> dict:
 
 
 def rows_of(results: list[dict]) -> tuple[list[str], list[list[str]]]:
-    header = ["model", "N", "limit/s", "loop/s", "vmap/s", "auto", "best/limit", "auto/limit", "vmap/loop"]
+    header = ["model", "N", "limit/s", "loop/s", "vmap/s", "auto", "best/limit", "auto/limit", "vmap/loop",
+              "grad vmap/loop"]
     rows = []
     for r in results:
         limit, loop, vmap = r["limit"], r["loop"], r.get("vmap")
@@ -173,6 +188,7 @@ def rows_of(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             f"{vmap:.0f}" if vmap is not None else "n/a", r["auto"],
             f"{best / limit:.2f}", f"{auto_rate / limit:.2f}" if auto_rate is not None else "n/a",
             f"{vmap / loop:.2f}" if vmap is not None else "n/a",
+            f"{r['vmap_grad'] / r['loop_grad']:.2f}" if vmap is not None else "n/a",
         ])
     return header, rows
 

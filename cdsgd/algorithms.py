@@ -44,7 +44,7 @@ Example (two agents, one parameter each, zero gradients: one step is Π X)::
     >>> from cdsgd.mixing import MatrixMixer
     >>> alg = make_algorithm("cdsgd", lr=0.1)
     >>> X = torch.tensor([[0.0], [1.0]]); G = torch.zeros(2, 1)
-    >>> alg.update(X, G, alg.init_state(X), k=0, mixer=MatrixMixer([[0.75, 0.25], [0.25, 0.75]])).tolist()
+    >>> alg.update(X, G, alg.init_state(X), k=0, mixer=MatrixMixer([[0.75, 0.25], [0.25, 0.75]])).tolist()  # X, updated
     [[0.25], [0.75]]
 """
 
@@ -120,9 +120,9 @@ def with_weight_decay(G: torch.Tensor, X: torch.Tensor, weight_decay: float) -> 
     return G.add(X, alpha=weight_decay) if weight_decay else G
 
 
-def cdsgd_update(mixed: torch.Tensor, G: torch.Tensor, lr: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x ← Σ_l π_jl x_l − α g, with ``mixed`` = Σ_l π_jl x_l."""
-    return torch.add(mixed, G, alpha=-lr, out=out) if out is not None else torch.add(mixed, G, alpha=-lr)
+def cdsgd_update(mixed: torch.Tensor, G: torch.Tensor, lr: float, out: torch.Tensor) -> torch.Tensor:
+    """out ← Σ_l π_jl x_l − α g, with ``mixed`` = Σ_l π_jl x_l. ``out`` may be ``mixed`` or x itself."""
+    return torch.add(mixed, G, alpha=-lr, out=out)
 
 
 def momentum_update(
@@ -132,14 +132,13 @@ def momentum_update(
     lr: float,
     momentum: float,
     nesterov: bool,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """m ← μ m − α g (``buf`` in place); x ← mixed + μ m − α g (Nesterov) or mixed + m."""
+    """m ← μ m − α g (``buf`` in place); out ← mixed + μ m − α g (Nesterov) or mixed + m."""
     buf.mul_(momentum).add_(G, alpha=-lr)
     if nesterov:
-        new = torch.add(mixed, buf, alpha=momentum, out=out) if out is not None else torch.add(mixed, buf, alpha=momentum)
-        return new.add_(G, alpha=-lr)
-    return torch.add(mixed, buf, out=out) if out is not None else torch.add(mixed, buf)
+        return torch.add(mixed, buf, alpha=momentum, out=out).add_(G, alpha=-lr)
+    return torch.add(mixed, buf, out=out)
 
 
 # --------------------------------------------------------------------------
@@ -186,8 +185,9 @@ class Algorithm:
     """One update rule with its hyperparameters.
 
     Executors call, per step k: ``mask = participants(k)``; compute G at X
-    (rows outside ``mask`` may be skipped); ``X = update(X, G, state, k=k,
-    mixer=mixer, mixed=...)``. When ``mixes_params`` is true the rule needs
+    (rows outside ``mask`` may be skipped); ``update(X, G, state, k=k,
+    mixer=mixer, mixed=...)``, which overwrites X with the new parameters
+    (and returns it). When ``mixes_params`` is true the rule needs
     Π X, and the executor may start that exchange before the backward pass
     and pass its handle as ``mixed``; otherwise the rule calls the mixer
     itself (on gradients, or on parameters at the end of a FedAvg round).
@@ -249,7 +249,7 @@ class CDSGDAlgorithm(Algorithm):
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = with_weight_decay(G, X, self.weight_decay)
-        return cdsgd_update(_mixed(X, mixer, mixed), G, self.step_size(k))
+        return cdsgd_update(_mixed(X, mixer, mixed), G, self.step_size(k), out=X)
 
 
 @ALGORITHMS.register("cdmsgd")
@@ -263,7 +263,7 @@ class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = with_weight_decay(G, X, self.weight_decay)
         return momentum_update(_mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
-                               self.momentum, self.nesterov)
+                               self.momentum, self.nesterov, out=X)
 
 
 @ALGORITHMS.register("sgd")
@@ -272,7 +272,7 @@ class SGDAlgorithm(Algorithm):
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = mixer.average(with_weight_decay(G, X, self.weight_decay))
-        return cdsgd_update(X, G, self.step_size(k))
+        return cdsgd_update(X, G, self.step_size(k), out=X)
 
 
 @ALGORITHMS.register("msgd")
@@ -285,7 +285,7 @@ class MSGDAlgorithm(_MomentumMixin, Algorithm):
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = mixer.average(with_weight_decay(G, X, self.weight_decay))
-        return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov)
+        return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
 
 
 @ALGORITHMS.register("fedavg")
@@ -322,13 +322,14 @@ class FedAvgAlgorithm(Algorithm):
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = with_weight_decay(G, X, self.weight_decay)
-        new = cdsgd_update(X, G, self.step_size(k))
         mask = self.participants(k)
-        if mask is not None:
-            new = torch.where(_rows(mask, X), new, X)
+        if mask is None:
+            cdsgd_update(X, G, self.step_size(k), out=X)
+        else:  # agents sitting the round out keep their parameters
+            X.copy_(torch.where(_rows(mask, X), X - self.step_size(k) * G, X))
         if (k + 1) % self.round_length == 0:
-            new = mixer.average(new, mask)
-        return new
+            X.copy_(mixer.average(X, mask))
+        return X
 
 
 def _rows(mask: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
@@ -347,8 +348,8 @@ class LocalAlgorithm(_MomentumMixin, Algorithm):
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = with_weight_decay(G, X, self.weight_decay)
         if self.momentum:
-            return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov)
-        return cdsgd_update(X, G, self.step_size(k))
+            return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
+        return cdsgd_update(X, G, self.step_size(k), out=X)
 
 
 def algorithm_params(name: str) -> list[str]:
@@ -421,7 +422,8 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
             offset += n
         self._handle = self.mixer.start(self._flat)
 
-    def _update(self, p: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, group: dict) -> torch.Tensor:
+    def _update(self, p: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        """Write the new value of parameter ``p`` into it."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -441,7 +443,7 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
                 offset += n
                 g = torch.zeros_like(p) if p.grad is None else p.grad
                 g = with_weight_decay(g, p, group["weight_decay"])
-                p.copy_(self._update(p, mixed, g, group))
+                self._update(p, mixed, g, group)
         return loss
 
 
@@ -464,7 +466,7 @@ class CDSGD(_ConsensusOptimizer):
         super().__init__(params, defaults, mixer)
 
     def _update(self, p, mixed, g, group):
-        return cdsgd_update(mixed, g, group["lr"])
+        cdsgd_update(mixed, g, group["lr"], out=p)
 
 
 class CDMSGD(_ConsensusOptimizer):
@@ -492,4 +494,4 @@ class CDMSGD(_ConsensusOptimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
-        return momentum_update(mixed, g, state["momentum_buffer"], group["lr"], group["momentum"], group["nesterov"])
+        momentum_update(mixed, g, state["momentum_buffer"], group["lr"], group["momentum"], group["nesterov"], out=p)

@@ -82,7 +82,11 @@ def ordered_weighted_sum(weights: Sequence[float], tensors: Sequence[torch.Tenso
 
 
 class Mixer(abc.ABC):
-    """Base class: ``start``/``mix`` apply Π, ``average`` applies 11ᵀ/N."""
+    """Base class: ``start``/``mix`` apply Π, ``average`` applies 11ᵀ/N.
+
+    Results may live in buffers the mixer reuses: they are valid until the
+    mixer's next call of the same kind (executors consume them at once).
+    """
 
     #: number of agents in the whole system
     n_agents: int
@@ -129,6 +133,7 @@ class MatrixMixer(Mixer):
                                     dtype=torch.float64)
         self.bytes_sent = torch.zeros(self.n_agents, dtype=torch.float64)
         self._W: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
         # row j's (weights, sources): self first, then neighbours ascending
         self._rows = []
         for j in range(self.n_agents):
@@ -141,6 +146,14 @@ class MatrixMixer(Mixer):
             self._W[key] = torch.as_tensor(self.W64, dtype=X.dtype, device=X.device)
         return self._W[key]
 
+    def _buffer(self, X: torch.Tensor, purpose: str) -> torch.Tensor:
+        """A preallocated output like X (reused: valid until the next call)."""
+        key = (purpose, X.shape, X.dtype, X.device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty_like(X, memory_format=torch.contiguous_format)
+        return buf
+
     def _check(self, X: torch.Tensor) -> None:
         if X.dim() < 1 or X.shape[0] != self.n_agents:
             raise ValueError(f"MatrixMixer expects a stack of {self.n_agents} agents (N×P), got shape {tuple(X.shape)}")
@@ -148,9 +161,10 @@ class MatrixMixer(Mixer):
     def start(self, X: torch.Tensor) -> Handle:
         self._check(X)
         self.bytes_sent += self.degrees * (_numel_per_agent(X) * X.element_size())
+        out = self._buffer(X, "mix")
         if not self.exact:
-            return Handle(self._matrix(X) @ X.reshape(self.n_agents, -1))
-        out = torch.empty_like(X)
+            torch.mm(self._matrix(X), X.reshape(self.n_agents, -1), out=out.view(self.n_agents, -1))
+            return Handle(out)
         for j, (weights, src) in enumerate(self._rows):
             ordered_weighted_sum(weights, [X[l] for l in src], out[j])
         return Handle(out)
@@ -158,9 +172,6 @@ class MatrixMixer(Mixer):
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         self._check(X)
         self.bytes_sent += allreduce_bytes(self.n_agents, _numel_per_agent(X), X.element_size())
-        if mask is None:
-            mean = X.mean(dim=0, keepdim=True)
-        else:
-            mean = X[mask.to(torch.bool)].mean(dim=0, keepdim=True)
-        return mean.expand_as(X).clone()
+        mean = X.mean(dim=0, keepdim=True) if mask is None else X[mask.to(torch.bool)].mean(dim=0, keepdim=True)
+        return self._buffer(X, "average").copy_(mean.expand_as(X))
 
