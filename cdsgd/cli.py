@@ -107,9 +107,105 @@ def _cmd_topo(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- run
+
+
+def _add_run(sub) -> None:
+    from .config import config_keys
+
+    p = sub.add_parser(
+        "run",
+        help="run one experiment and write its output folder",
+        description="Run one experiment from a TOML config and key=value overrides (both optional: the "
+        "defaults are the README's main job: digits, 5 agents, ring, Metropolis weights, CDMSGD). Writes "
+        "config.toml, metrics.csv and summary.json into the folder given by out=.",
+        epilog="config keys: " + ", ".join(config_keys()) + "\n"
+        "examples:\n  cdsgd run\n  cdsgd run experiments/paper/fashion_mnist_ring_iid.toml epochs=2\n"
+        "  cdsgd run algorithm=cdsgd topology=torus n_agents=9 lr=0.1 out=runs/torus9\n"
+        "docs: docs/running.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [key=value ...]",
+                   help="an optional TOML config file, then overrides")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.set_defaults(func=_cmd_run)
+
+
+def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    path, overrides = None, []
+    for i, a in enumerate(args):
+        if "=" in a:
+            overrides.append(a)
+        elif i == 0:
+            path = a
+        else:
+            raise ValueError(f"expected key=value after the config file, got {a!r}")
+    return path, overrides
+
+
+def _cmd_run(args) -> int:
+    from .config import dump_config, load_config
+    from .experiment import run_experiment, validate_config
+
+    path, overrides = _split_run_args(args.args)
+    cfg = load_config(path, overrides)
+    validate_config(cfg)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    summary = run_experiment(cfg, progress=False if args.no_progress else None)
+    print(f"test accuracy {summary['test_accuracy']:.4f} (average model {summary['test_accuracy_avg_model']:.4f}), "
+          f"consensus distance {summary['consensus_distance']:.4g}, {summary['wall_seconds']:.1f} s; "
+          f"results in {summary['out']}")
+    return 0
+
+
+# --------------------------------------------------------------------- data
+
+
+def _add_data(sub) -> None:
+    p = sub.add_parser(
+        "data",
+        help="show how a data set splits among agents",
+        description="Load a data set and print each agent's shard size and class histogram under a partition.",
+        epilog="example: cdsgd data digits --agents 5 --partition classes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dataset", metavar="DATASET", help="digits, mnist, fashion-mnist, cifar10, cifar100, synthetic")
+    p.add_argument("--agents", type=int, default=5, help="number of agents (default 5)")
+    p.add_argument("--partition", default="iid", help="iid, classes or dirichlet (default iid)")
+    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
+    p.add_argument("--min-size", type=int, default=10, help="dirichlet: least samples per agent (default 10)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default="data", help="where data files are looked for (default: data)")
+    p.add_argument("--download", action="store_true", help="download missing files (SHA-256 verified)")
+    p.set_defaults(func=_cmd_data)
+
+
+def _cmd_data(args) -> int:
+    from .data import class_histogram, load_dataset, partition
+
+    ds = load_dataset(args.dataset, args.data_dir, download=args.download)
+    labels = ds.train[1].numpy()
+    shards = partition(labels, args.agents, args.partition, seed=args.seed, alpha=args.alpha,
+                       min_size=args.min_size)
+    hist = class_histogram(labels, shards, ds.n_classes)
+    print(f"{ds.name}: {len(labels)} training and {len(ds.test[1])} test samples, {ds.n_classes} classes, "
+          f"input {tuple(ds.input_shape)}; partition {args.partition} among {args.agents} agents")
+    width = max(5, len(str(int(hist.max()))) + 1)
+    print("agent   size  " + "".join(f"{c:>{width}}" for c in range(ds.n_classes)))
+    for j, (s, h) in enumerate(zip(shards, hist)):
+        print(f"{j:>5} {len(s):>6}  " + "".join(f"{int(v):>{width}}" for v in h))
+    unused = len(labels) - sum(len(s) for s in shards)
+    if unused:
+        print(f"({unused} samples unused)")
+    return 0
+
+
 # --------------------------------------------------------------------- main
 
-_VERBS = (_add_topo,)
+_VERBS = (_add_run, _add_data, _add_topo)
 
 
 def build_parser() -> argparse.ArgumentParser:

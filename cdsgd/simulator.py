@@ -236,6 +236,8 @@ class Simulator:
         test_set: (inputs, targets) for evaluation, or None (test metrics are NaN).
         eval_batch_size, eval_agents, eval_samples: bound the cost of evaluation.
         exact: mix with the ordered multiply-add of the runtime's exact mode.
+        augment: ``augment(batch_inputs, generator)`` applied to each training
+            batch of agent j with its own generator seeded from (seed, j, "augment").
         device: where parameters and data live (default: the model's device).
     """
 
@@ -256,6 +258,7 @@ class Simulator:
         eval_agents: int | None = None,
         eval_samples: int | None = None,
         exact: bool = False,
+        augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
         device: str | torch.device | None = None,
         **hyper,
     ) -> None:
@@ -346,6 +349,8 @@ class Simulator:
         self.shards = [(x.to(self.device), y.to(self.device)) for x, y in shards]
         self.streams = [BatchStream(len(y), self.batch_size, generator(self.seed, j, "data"))
                         for j, (_, y) in enumerate(self.shards)]
+        self.augment = augment
+        self._augment_gens = [generator(self.seed, j, "augment") for j in range(n)] if augment else None
         mean_shard = sum(len(y) for _, y in self.shards) / n
         self.steps_per_epoch = max(1, math.ceil(mean_shard / self.batch_size))
         self.rng = _AgentRNG(self.seed, n, self.device)
@@ -415,7 +420,8 @@ class Simulator:
         for j in agents:
             idx = self.streams[j].next()
             x, y = self.shards[j]
-            batches.append((x[idx], y[idx]))
+            xb = x[idx] if self.augment is None else self.augment(x[idx], self._augment_gens[j])
+            batches.append((xb, y[idx]))
         views = self.layout.views
         if self.strategy == "vmap":
             xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])

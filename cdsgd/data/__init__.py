@@ -1,0 +1,13 @@
+"""Data sets (read from disk in their standard formats) and partitions among agents.
+
+See docs/data.md. ``load_dataset(name, data_dir)`` gives a :class:`Dataset`
+of normalised tensors; ``partition(labels, n_agents, scheme)`` splits its
+training set among the agents.
+"""
+
+from .datasets import *  # noqa: F401,F403
+from .datasets import __all__ as _datasets_all
+from .partition import *  # noqa: F401,F403
+from .partition import __all__ as _partition_all
+
+__all__ = [*_datasets_all, *_partition_all]

@@ -1,0 +1,234 @@
+"""One Config → one run → the output folder of the run-output contract.
+
+``run_experiment(cfg)`` builds the graph and mixing matrix, loads and
+partitions the data, builds the model, runs the executor and writes, into
+``cfg.out``:
+
+``config.toml``
+    the fully resolved config that produced the run;
+``metrics.csv``
+    one row per evaluation (every ``eval_every`` epochs and at the end) with
+    the columns ``epoch, step, train_loss, test_loss, test_accuracy,
+    test_accuracy_avg_model, consensus_distance, bytes_sent_per_agent,
+    wall_seconds``; each row is flushed to disk as soon as it exists;
+``summary.json``
+    the final row, ``best_test_accuracy``, the config identity (algorithm,
+    topology, n_agents, mixing, dataset, partition, model, seed), the
+    spectral gap and lambda2, ``status`` (``completed`` or ``interrupted``),
+    and the versions of torch and cdsgd.
+
+On Ctrl-C the rows of the evaluations done stay complete, summary.json is
+written with ``status = "interrupted"``, and KeyboardInterrupt propagates.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import topologies
+
+from . import __version__
+from .algorithms import ALGORITHMS, algorithm_params
+from .config import Config, dump_config
+from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip
+from .models import MODELS, build_model
+from .seeding import generator
+from .simulator import METRIC_COLUMNS, STRATEGIES, INITS, Simulator
+
+__all__ = ["run_experiment", "prepare", "EXECUTORS", "default_out"]
+
+#: executors ``cdsgd run`` knows (the distributed runtime adds "torch")
+EXECUTORS = ("sim",)
+
+
+def _choice(key: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise topologies.unknown_name_error(key, value, allowed)
+
+
+def validate_config(cfg: Config) -> None:
+    """Refuse bad names and values before any data is loaded."""
+    ALGORITHMS.get(cfg.algorithm)
+    _choice("executor", cfg.executor, EXECUTORS)
+    topologies.RULES.get(cfg.mixing)
+    DATASETS.get(cfg.dataset)
+    PARTITIONS.get(cfg.partition)
+    MODELS.get(cfg.model)
+    _choice("strategy", cfg.strategy, STRATEGIES)
+    _choice("init", cfg.init, INITS)
+    if cfg.n_agents < 1:
+        raise ValueError(f"n_agents must be >= 1, got {cfg.n_agents}")
+    if not cfg.epochs > 0:
+        raise ValueError(f"epochs must be > 0, got {cfg.epochs}")
+    for key in ("batch_size", "eval_every", "eval_batch_size", "local_epochs", "min_shard_size"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    for key in ("train_subset", "test_subset", "eval_agents", "eval_samples", "local_steps", "seed"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key} must be >= 0 (0 means all/off), got {getattr(cfg, key)}")
+    if not cfg.dirichlet_alpha > 0:
+        raise ValueError(f"dirichlet_alpha must be > 0, got {cfg.dirichlet_alpha}")
+
+
+def hyperparameters(cfg: Config) -> dict:
+    """The algorithm's own hyperparameters out of the config."""
+    allowed = set(algorithm_params(cfg.algorithm))
+    hyper = {k: getattr(cfg, k) for k in ("lr", "lr_schedule", "lr_tau", "lr_power", "weight_decay",
+                                            "momentum", "nesterov") if k in allowed}
+    if cfg.algorithm == "fedavg":
+        hyper["fedavg_fraction"] = cfg.fedavg_fraction
+        if cfg.local_steps:
+            hyper["local_steps"] = cfg.local_steps
+        else:
+            hyper["local_epochs"] = cfg.local_epochs
+    return hyper
+
+
+def _subset(x: torch.Tensor, y: torch.Tensor, k: int, seed: int, what: str):
+    if not k or k >= len(y):
+        return x, y
+    keep = torch.randperm(len(y), generator=generator(seed, what))[:k].sort().values
+    return x[keep], y[keep]
+
+
+def prepare(cfg: Config) -> dict:
+    """Everything a run needs, built from the config: graph, W, data, shards, model factory."""
+    validate_config(cfg)
+    G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
+    W = topologies.mixing_matrix(G, cfg.mixing)
+    gap = topologies.spectral_gap(W)
+    ds = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+    train_x, train_y = _subset(*ds.train, cfg.train_subset, cfg.seed, "train_subset")
+    test_x, test_y = _subset(*ds.test, cfg.test_subset, cfg.seed, "test_subset")
+    idx = partition(train_y.numpy(), cfg.n_agents, cfg.partition, seed=cfg.seed, alpha=cfg.dirichlet_alpha,
+                    min_size=cfg.min_shard_size)
+    shards = [(train_x[torch.from_numpy(i)], train_y[torch.from_numpy(i)]) for i in idx]
+    return {
+        "graph": G, "W": W, "spectral_gap": gap, "dataset": ds, "shards": shards,
+        "test_set": (test_x, test_y),
+        "model_fn": lambda: build_model(cfg.model, ds.input_shape, ds.n_classes),
+    }
+
+
+def default_out(cfg: Config) -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    topo = Path(cfg.topology).stem if topologies.is_graph_file(cfg.topology) else cfg.topology
+    return os.path.join("runs", f"{cfg.algorithm}-{topo}-{cfg.dataset}-{stamp}")
+
+
+def _prepare_out(cfg: Config) -> Path:
+    out = Path(cfg.out or default_out(cfg))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
+        raise ValueError(f"output folder {str(out)!r} is not empty; choose another out= or set overwrite=true")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _json_number(v):
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """Run one experiment and write its output folder. Returns the summary dict.
+
+    ``progress``: a tqdm bar (default: when stderr is a terminal); otherwise
+    one log line per evaluation through ``log`` (default: print to stderr).
+    """
+    if log is None:
+        def log(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    validate_config(cfg)
+    out = _prepare_out(cfg)
+    cfg = Config(**{**cfg.__dict__, "out": str(out)})
+    parts = prepare(cfg)
+    sim = Simulator(
+        parts["model_fn"], parts["shards"], parts["W"], cfg.algorithm,
+        batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
+        test_set=parts["test_set"], eval_batch_size=cfg.eval_batch_size,
+        eval_agents=cfg.eval_agents or None, eval_samples=cfg.eval_samples or None, exact=cfg.exact,
+        augment=random_crop_flip if cfg.augment else None, **hyperparameters(cfg),
+    )
+    _atomic_write(out / "config.toml", dump_config(cfg))
+    total = max(1, round(cfg.epochs * sim.steps_per_epoch))
+    gap = parts["spectral_gap"]
+    summary = {
+        "status": "running",
+        "out": str(out),
+        **cfg.identity(),
+        "spectral_gap": gap.gap,
+        "lambda2": gap.lambda2,
+        "n_parameters": sim.layout.numel,
+        "steps_per_epoch": sim.steps_per_epoch,
+        "strategy": sim.strategy,
+        "torch_version": torch.__version__,
+        "cdsgd_version": __version__,
+    }
+    log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {gap.gap:.4f}), "
+        f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
+        f"{total} steps, output {out}")
+    rows: list[dict] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    with open(out / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(METRIC_COLUMNS))
+        writer.writeheader()
+        f.flush()
+
+        def on_row(row: dict) -> None:
+            rows.append(row)
+            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+            f.flush()
+            os.fsync(f.fileno())
+            line = (f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
+                    f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
+                    f"consensus {row['consensus_distance']:.3g}")
+            if bar is not None:
+                bar.set_postfix_str(f"acc {row['test_accuracy']:.3f}")
+            else:
+                log(line)
+
+        try:
+            sim.run(steps=total, eval_every=cfg.eval_every * sim.steps_per_epoch, callback=on_row,
+                    progress=(lambda k: bar.update(1)) if bar is not None else None)
+            summary["status"] = "completed"
+        except KeyboardInterrupt:
+            summary["status"] = "interrupted"
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            final = rows[-1] if rows else {}
+            accs = [r["test_accuracy"] for r in rows if not math.isnan(r["test_accuracy"])]
+            summary.update({k: _json_number(v) for k, v in final.items()})
+            summary["best_test_accuracy"] = max(accs) if accs else None
+            summary["evaluations"] = len(rows)
+            _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
