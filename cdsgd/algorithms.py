@@ -326,15 +326,15 @@ class FedAvgAlgorithm(Algorithm):
         if mask is None:
             cdsgd_update(X, G, self.step_size(k), out=X)
         else:  # agents sitting the round out keep their parameters
-            X.copy_(torch.where(_rows(mask, X), X - self.step_size(k) * G, X))
+            X.copy_(torch.where(_rows(mask[mixer.rows], X), X - self.step_size(k) * G, X))
         if (k + 1) % self.round_length == 0:
             X.copy_(mixer.average(X, mask))
         return X
 
 
 def _rows(mask: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """An N-mask broadcastable over an N×... stack (for one rank's P-vector, its own entry)."""
-    return mask.view(-1, *([1] * (X.dim() - 1))) if X.dim() > 1 else mask
+    """A mask over the stack's rows, broadcastable over the L×P stack."""
+    return mask.view(-1, *([1] * (X.dim() - 1)))
 
 
 @ALGORITHMS.register("local")

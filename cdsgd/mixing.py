@@ -90,8 +90,10 @@ class Mixer(abc.ABC):
 
     #: number of agents in the whole system
     n_agents: int
-    #: bytes each agent represented here has sent so far (float64 tensor)
+    #: bytes each agent represented here has sent so far (float64 tensor, one entry per row)
     bytes_sent: torch.Tensor
+    #: the agents (global indices) whose rows the stacks handed to this mixer hold
+    rows: list[int]
 
     @abc.abstractmethod
     def start(self, X: torch.Tensor) -> Handle:
@@ -128,6 +130,7 @@ class MatrixMixer(Mixer):
             topologies.validate(W)
         self.W64 = W
         self.n_agents = W.shape[0]
+        self.rows = list(range(self.n_agents))
         self.exact = exact
         self.degrees = torch.tensor([(np.count_nonzero(W[j]) - (W[j, j] != 0)) for j in range(self.n_agents)],
                                     dtype=torch.float64)

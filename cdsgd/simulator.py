@@ -77,6 +77,7 @@ from .seeding import derive_seed, generator
 
 __all__ = [
     "BatchStream",
+    "Reducer",
     "METRIC_COLUMNS",
     "ParamLayout",
     "SimulationResult",
@@ -189,12 +190,12 @@ def _check_positive_int(name: str, value, low: int = 1) -> int:
 class _AgentRNG:
     """Per-agent global-RNG states: run agent j's forward on its own stream."""
 
-    def __init__(self, seed: int, n_agents: int, device: torch.device) -> None:
+    def __init__(self, seed: int, agents: Sequence[int], device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         saved = self._get()
         self.states = []
-        for j in range(n_agents):
+        for j in agents:
             torch.manual_seed(derive_seed(seed, j, "dropout"))
             self.states.append(self._get())
         self._set(saved)
@@ -208,14 +209,28 @@ class _AgentRNG:
         else:
             torch.set_rng_state(state)
 
-    def run(self, j: int, fn: Callable, *args):
+    def run(self, i: int, fn: Callable, *args):
+        """fn(*args) on the i-th held agent's stream."""
         saved = self._get()
-        self._set(self.states[j])
+        self._set(self.states[i])
         try:
             return fn(*args)
         finally:
-            self.states[j] = self._get()
+            self.states[i] = self._get()
             self._set(saved)
+
+
+class Reducer:
+    """Sums over agents held elsewhere: identity here; the runtime's all-reduces across ranks.
+
+    Evaluation (and only evaluation) uses it, so its traffic is counted apart
+    from the training traffic the Mixer counts (``bytes``).
+    """
+
+    bytes = 0.0
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 class Simulator:
@@ -235,9 +250,16 @@ class Simulator:
         loss_fn: ``loss_fn(outputs, targets)``, mean over the batch (default cross-entropy).
         test_set: (inputs, targets) for evaluation, or None (test metrics are NaN).
         eval_batch_size, eval_agents, eval_samples: bound the cost of evaluation.
-        exact: mix with the ordered multiply-add of the runtime's exact mode.
+        exact: mix with the ordered multiply-add of the runtime's exact mode
+            (and, with ``strategy="auto"``, use the loop strategy).
         augment: ``augment(batch_inputs, generator)`` applied to each training
             batch of agent j with its own generator seeded from (seed, j, "augment").
+        overlap: start the mixing of X before the gradients are computed and
+            wait for it after (the default); False starts it after, for measurement.
+        agents: the agents this process holds (default: all). The distributed
+            runtime holds one, ``[rank]``, with a neighbour Mixer and a Reducer
+            over its process group; the update rule and the bookkeeping are the same.
+        reducer: sums across processes for evaluation (default: none needed).
         device: where parameters and data live (default: the model's device).
     """
 
@@ -259,6 +281,9 @@ class Simulator:
         eval_samples: int | None = None,
         exact: bool = False,
         augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+        overlap: bool = True,
+        agents: Sequence[int] | None = None,
+        reducer: Reducer | None = None,
         device: str | torch.device | None = None,
         **hyper,
     ) -> None:
@@ -281,6 +306,11 @@ class Simulator:
             _check_positive_int("eval_agents", eval_agents)
         if eval_samples is not None:
             _check_positive_int("eval_samples", eval_samples)
+        self.agents = list(range(n)) if agents is None else [int(j) for j in agents]
+        if not self.agents or any(not 0 <= j < n for j in self.agents) or len(set(self.agents)) != len(self.agents):
+            raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {agents!r}")
+        self.reducer = reducer if reducer is not None else Reducer()
+        self.overlap = bool(overlap)
 
         if isinstance(algorithm, str):
             allowed = algorithm_params(algorithm)
@@ -312,14 +342,18 @@ class Simulator:
             self.mixer = MatrixMixer(W, exact=exact)
         if self.mixer.n_agents != n:
             raise ValueError(f"mixer is for {self.mixer.n_agents} agents but there are {n} shards")
+        if list(getattr(self.mixer, "rows", range(n))) != self.agents:
+            raise ValueError(f"mixer holds agents {list(self.mixer.rows)} but this executor holds {self.agents}")
 
-        # --- models and the N×P parameter stack
-        # (with init="same" every agent's module is built under the same seed: identical copies)
-        self.models = [
-            self._seeded(derive_seed(self.seed, "init") if init == "same" else derive_seed(self.seed, j, "init"),
-                         model_fn)
-            for j in range(n)
-        ]
+        # --- models and the L×P parameter stack of the L agents held here
+        # init="same": every agent's module is built under one seed (identical copies);
+        # one-model algorithms (sgd, msgd, fedavg) start every agent from agent 0's parameters.
+        def init_key(j: int) -> int:
+            if init == "same":
+                return derive_seed(self.seed, "init")
+            return derive_seed(self.seed, 0 if algorithm.same_init else j, "init")
+
+        self.models = [self._seeded(init_key(j), model_fn) for j in self.agents]
         template = self.models[0]
         self.layout = ParamLayout(template)
         if self.layout.numel == 0:
@@ -329,13 +363,11 @@ class Simulator:
         for m in self.models:
             m.to(self.device)
         self.X = torch.stack([self.layout.flatten(m) for m in self.models]).to(self.device)
-        if algorithm.same_init:
-            self.X[:] = self.X[0].clone()
         self.dtype = self.X.dtype
 
         blockers = vmap_blockers(template)
         if strategy == "auto":
-            strategy = "loop" if blockers or has_convolutions(template) else "vmap"
+            strategy = "loop" if blockers or exact or has_convolutions(template) else "vmap"
         elif strategy == "vmap" and blockers:
             raise ValueError(f"strategy 'vmap' cannot simulate this model exactly: {'; '.join(blockers)}; use 'loop'")
         self.strategy = strategy
@@ -345,15 +377,15 @@ class Simulator:
         for m in self.models:
             m.train()
 
-        # --- data, per-agent streams
-        self.shards = [(x.to(self.device), y.to(self.device)) for x, y in shards]
-        self.streams = [BatchStream(len(y), self.batch_size, generator(self.seed, j, "data"))
-                        for j, (_, y) in enumerate(self.shards)]
+        # --- data, per-agent streams (seeded by the global agent index)
+        self.shards = [(shards[j][0].to(self.device), shards[j][1].to(self.device)) for j in self.agents]
+        self.streams = [BatchStream(len(shards[j][1]), self.batch_size, generator(self.seed, j, "data"))
+                        for j in self.agents]
         self.augment = augment
-        self._augment_gens = [generator(self.seed, j, "augment") for j in range(n)] if augment else None
-        mean_shard = sum(len(y) for _, y in self.shards) / n
+        self._augment_gens = [generator(self.seed, j, "augment") for j in self.agents] if augment else None
+        mean_shard = sum(len(y) for _, y in shards) / n
         self.steps_per_epoch = max(1, math.ceil(mean_shard / self.batch_size))
-        self.rng = _AgentRNG(self.seed, n, self.device)
+        self.rng = _AgentRNG(self.seed, self.agents, self.device)
         algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
         self.state = algorithm.init_state(self.X)
         self._G = torch.zeros_like(self.X)
@@ -388,103 +420,114 @@ class Simulator:
         return model
 
     def _bind_modules(self) -> None:
-        """Make agent j's module parameters views of X[j] and their ``.grad`` views of G[j].
+        """Make the i-th local agent's module parameters views of X[i] and their ``.grad`` views of G[i].
 
         The loop strategy then runs each agent's own module with plain
         autograd: no copies in or out, and backward accumulates straight into
         the gradient stack (measured: functional_call + torch.func.grad cost
         ~15 % more than this on the paper's CNN).
         """
-        for j, model in enumerate(self.models):
-            for p, xv, gv in zip(model.parameters(), self.layout.views(self.X[j]).values(),
-                                 self.layout.views(self._G[j]).values()):
+        for i, model in enumerate(self.models):
+            for p, xv, gv in zip(model.parameters(), self.layout.views(self.X[i]).values(),
+                                 self.layout.views(self._G[i]).values()):
                 p.data = xv
                 p.grad = gv
         self._grad_views = [[p.grad for p in m.parameters()] for m in self.models]
 
-    def _agent_backward(self, j: int, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        model = self.models[j]
-        loss = self.loss_fn(model(xb), yb)
+    def _agent_backward(self, i: int, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.models[i](xb), yb)
         loss.backward()
         return loss.detach()
 
     def _vmap_loss(self, params, xb, yb):
         return self.loss_fn(functional_call(self.models[0], params, (xb,)), yb)
 
-    def _gradients(self, X: torch.Tensor, agents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-agent gradients (N×P; rows of agents not listed are zero) and batch losses."""
+    def _gradients(self, X: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of the local rows listed (L×P; other rows zero) and their batch losses."""
         G = self._G
-        if self.strategy == "loop" or len(agents) < self.n_agents:
+        if self.strategy == "loop" or len(rows) < len(self.agents):
             G.zero_()  # the loop's backward accumulates into G; vmap overwrites every listed row
         batches = []
-        for j in agents:
-            idx = self.streams[j].next()
-            x, y = self.shards[j]
-            xb = x[idx] if self.augment is None else self.augment(x[idx], self._augment_gens[j])
+        for i in rows:
+            idx = self.streams[i].next()
+            x, y = self.shards[i]
+            xb = x[idx] if self.augment is None else self.augment(x[idx], self._augment_gens[i])
             batches.append((xb, y[idx]))
         views = self.layout.views
         if self.strategy == "vmap":
             xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
-            if len(agents) == self.n_agents:
+            if len(rows) == len(self.agents):
                 g, losses = self._vmap_grad(views(X), xb, yb)
                 for name, v in views(G).items():
                     v.copy_(g[name])
             else:
-                rows = torch.tensor(agents, device=X.device)
-                g, losses = self._vmap_grad(views(X[rows]), xb, yb)
-                G[rows] = torch.cat([g[name].reshape(len(agents), -1) for name in self.layout.names], dim=1)
+                idx = torch.tensor(rows, device=X.device)
+                g, losses = self._vmap_grad(views(X[idx]), xb, yb)
+                G[idx] = torch.cat([g[name].reshape(len(rows), -1) for name in self.layout.names], dim=1)
             return G, losses.detach()
         losses = []
-        for j, (xb, yb) in zip(agents, batches):
+        for i, (xb, yb) in zip(rows, batches):
             if self._dropout:
-                losses.append(self.rng.run(j, self._agent_backward, j, xb, yb))
+                losses.append(self.rng.run(i, self._agent_backward, i, xb, yb))
             else:
-                losses.append(self._agent_backward(j, xb, yb))
-            for p, gv in zip(self.models[j].parameters(), self._grad_views[j]):
+                losses.append(self._agent_backward(i, xb, yb))
+            for p, gv in zip(self.models[i].parameters(), self._grad_views[i]):
                 if p.grad is not gv:  # autograd replaced the buffer instead of accumulating: copy back
                     gv.copy_(p.grad)
                     p.grad = gv
-        return G, torch.stack(losses)
+        return G, torch.stack(losses) if losses else torch.zeros(0)
 
     # ------------------------------------------------------------------- step
 
     def step(self) -> float:
-        """One synchronous step of every agent. Returns the mean batch loss."""
+        """One synchronous step of every agent held here. Returns their mean batch loss (NaN if none stepped)."""
         t0 = time.perf_counter()
         alg, X, k = self.algorithm, self.X, self.k
         mask = alg.participants(k)
-        agents = list(range(self.n_agents)) if mask is None else mask.nonzero().flatten().tolist()
-        handle = self.mixer.start(X) if alg.mixes_params else None
-        G, losses = self._gradients(X, agents)
+        rows = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
+        handle = self.mixer.start(X) if alg.mixes_params and self.overlap else None
+        G, losses = self._gradients(X, rows)
+        if alg.mixes_params and not self.overlap:
+            handle = self.mixer.start(X)
         alg.update(X, G, self.state, k=k, mixer=self.mixer, mixed=handle)
         self.k += 1
         total = float(losses.sum())
-        loss = total / len(agents)
         self._loss_sum += total
-        self._loss_count += len(agents)
+        self._loss_count += len(rows)
         self._wall += time.perf_counter() - t0
-        return loss
+        return total / len(rows) if rows else float("nan")
 
     # --------------------------------------------------------------- evaluate
 
-    def consensus_distance(self) -> float:
-        """sqrt(mean_j ‖x_j − x̄‖²)."""
-        X = self.X.double()
-        return float(((X - X.mean(dim=0)) ** 2).sum(dim=1).mean().sqrt())
+    def _sum(self, values: Sequence[float]) -> list[float]:
+        """Sum over all agents of per-process partial sums (float64)."""
+        return self.reducer.sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
+    def average_params(self) -> torch.Tensor:
+        """x̄ = (1/N) Σ_j x_j over all agents (a P-vector)."""
+        total = self.reducer.sum(self.X.double().sum(dim=0))
+        return (total / self.n_agents).to(self.dtype)
+
+    def consensus_distance(self, xbar: torch.Tensor | None = None) -> float:
+        """sqrt(mean_j ‖x_j − x̄‖²) over all agents."""
+        xbar = self.average_params() if xbar is None else xbar
+        local = float(((self.X.double() - xbar.double()) ** 2).sum())
+        return math.sqrt(self._sum([local])[0] / self.n_agents)
 
     @torch.no_grad()
     def _eval_params(self, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Mean test loss and accuracy of each row of ``flats`` (evaluated with module model_ids[i])."""
+        """Mean test loss and accuracy of each row of ``flats`` (evaluated with local module model_ids[i])."""
         tx, ty = self.test_set
         n = len(ty)
         loss_sum = np.zeros(len(model_ids))
         correct = np.zeros(len(model_ids))
+        if not model_ids:
+            return loss_sum, correct
         for start in range(0, n, self.eval_batch_size):
             xb, yb = tx[start:start + self.eval_batch_size], ty[start:start + self.eval_batch_size]
             if self.strategy == "vmap":
                 model, views = self.models[0], self.layout.views
-                out = vmap(lambda f: functional_call(model, views(f), (xb,)))(flats)
-                outs = list(out)
+                outs = list(vmap(lambda f: functional_call(model, views(f), (xb,)))(flats))
             else:
                 outs = [functional_call(self.models[m], self.layout.views(f), (xb,))
                         for m, f in zip(model_ids, flats)]
@@ -495,32 +538,42 @@ class Simulator:
         return loss_sum / n, correct / n
 
     def evaluate(self) -> dict:
-        """A metrics row (the METRIC_COLUMNS) for the current state; resets the train-loss window."""
-        train_loss = self._loss_sum / self._loss_count if self._loss_count else float("nan")
+        """A metrics row (the METRIC_COLUMNS) for the current state; resets the train-loss window.
+
+        Sums over agents go through the Reducer, so every process holding
+        agents must call this together; the row is the same on all of them
+        (test_accuracy_avg_model is evaluated by the process holding agent 0
+        and is NaN on the others).
+        """
+        loss_sum, loss_count = self._sum([self._loss_sum, float(self._loss_count)])
         self._loss_sum, self._loss_count = 0.0, 0
+        xbar = self.average_params()
         row = {
             "epoch": self.k / self.steps_per_epoch,
             "step": self.k,
-            "train_loss": train_loss,
+            "train_loss": loss_sum / loss_count if loss_count else float("nan"),
             "test_loss": float("nan"),
             "test_accuracy": float("nan"),
             "test_accuracy_avg_model": float("nan"),
-            "consensus_distance": self.consensus_distance(),
-            "bytes_sent_per_agent": float(self.mixer.bytes_sent.mean()),
+            "consensus_distance": self.consensus_distance(xbar),
+            "bytes_sent_per_agent": self._sum([float(self.mixer.bytes_sent.sum())])[0] / self.n_agents,
             "wall_seconds": self._wall,
         }
         if self.test_set is not None:
             for m in self.models:
                 m.eval()
             try:
-                agents = self.eval_agents
-                loss, acc = self._eval_params(self.X[agents], agents)
-                _, acc_avg = self._eval_params(self.X.mean(dim=0, keepdim=True), [0])
+                rows = [i for i, j in enumerate(self.agents) if j in self.eval_agents]
+                loss, acc = self._eval_params(self.X[rows], rows)
+                t_loss, t_acc = self._sum([float(loss.sum()), float(acc.sum())])
+                if 0 in self.agents:
+                    _, acc_avg = self._eval_params(xbar.unsqueeze(0), [self.agents.index(0)])
+                    row["test_accuracy_avg_model"] = float(acc_avg[0])
             finally:
                 for m in self.models:
                     m.train()
-            row.update(test_loss=float(loss.mean()), test_accuracy=float(acc.mean()),
-                       test_accuracy_avg_model=float(acc_avg[0]))
+            count = len(self.eval_agents)
+            row.update(test_loss=t_loss / count, test_accuracy=t_acc / count)
         return row
 
     # -------------------------------------------------------------------- run
@@ -553,9 +606,10 @@ class Simulator:
         return rows
 
     def agent_model(self, j: int) -> nn.Module:
-        """Agent j's module holding its current parameters (a live copy is loaded in)."""
-        self.layout.load_into(self.models[j], self.X[j])
-        return self.models[j]
+        """Agent j's module holding its current parameters (j must be held here)."""
+        i = self.agents.index(j)
+        self.layout.load_into(self.models[i], self.X[i])
+        return self.models[i]
 
 
 def simulate(
