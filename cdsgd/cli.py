@@ -145,6 +145,8 @@ def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _cmd_run(args) -> int:
+    import os
+
     from .config import dump_config, load_config
     from .experiment import run_experiment, validate_config
 
@@ -155,9 +157,107 @@ def _cmd_run(args) -> int:
         print(dump_config(cfg), end="")
         return 0
     summary = run_experiment(cfg, progress=False if args.no_progress else None)
+    if cfg.executor == "torch" and os.environ.get("RANK", "0") != "0":
+        return 0  # rank 0 reports for everyone
     print(f"test accuracy {summary['test_accuracy']:.4f} (average model {summary['test_accuracy_avg_model']:.4f}), "
           f"consensus distance {summary['consensus_distance']:.4g}, {summary['wall_seconds']:.1f} s; "
           f"results in {summary['out']}")
+    return 0
+
+
+# ------------------------------------------------------------------- launch
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run one experiment with one process per agent (torchrun)",
+        description="A thin front for torchrun (torch.distributed.run): starts --nproc-per-node workers on "
+        "this node, each running 'cdsgd run ... executor=torch' as one agent. On one node it picks a free "
+        "port itself; for several nodes run the same command on every node with --nnodes, --node-rank, "
+        "--master-addr and --master-port.",
+        epilog="examples:\n"
+        "  cdsgd launch --nproc-per-node 5\n"
+        "  cdsgd launch --nproc-per-node 4 experiments/paper/fashion_mnist_ring_iid.toml n_agents=4\n"
+        "  cdsgd launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
+        "--master-port 29500 n_agents=4\n"
+        "docs: docs/distributed.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [key=value ...]")
+    p.add_argument("--nproc-per-node", type=int, required=True, help="agents (worker processes) on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default 0)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="port on node 0 (default on one node: a free port; required for several nodes)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun's elastic restarts (default 0)")
+    p.set_defaults(func=_cmd_launch)
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port that is free on ``addr`` now (never 0: torchrun hangs on port 0)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def launch_argv(args, overrides: list[str], path: str | None) -> list[str]:
+    """torchrun's argument list for ``cdsgd launch``."""
+    port = args.master_port
+    if port is None:
+        if args.nnodes > 1:
+            raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same port)")
+        port = free_port(args.master_addr)
+    if not 0 < port < 65536:
+        raise ValueError(f"--master-port must be in 1..65535, got {port}")
+    argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}", f"--master-port={port}",
+            f"--max-restarts={args.max_restarts}", "-m", "cdsgd", "run"]
+    return argv + ([path] if path else []) + overrides + ["executor=torch"]
+
+
+def _cmd_launch(args) -> int:
+    import os
+    import time
+
+    from .config import load_config
+    from .experiment import default_out, validate_config
+
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    path, overrides = _split_run_args(args.args)
+    cfg = load_config(path, overrides + ["executor=torch"])
+    validate_config(cfg)
+    world = args.nproc_per_node * args.nnodes
+    if world != cfg.n_agents:
+        raise ValueError(f"--nproc-per-node x --nnodes = {world} processes but n_agents={cfg.n_agents}: "
+                         "one process per agent")
+    if not cfg.out:  # every rank (and every node) must write to the same folder name
+        if args.nnodes > 1:
+            raise ValueError("give out=FOLDER with --nnodes > 1 (every node must agree on it)")
+        overrides = overrides + [f"out={default_out(cfg)}"]
+    if args.master_addr.startswith("127.") and args.nnodes == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback, not the hostname's address
+    from torch.distributed import run as torchrun
+
+    argv = launch_argv(args, overrides, path)
+    t0 = time.perf_counter()
+    try:
+        torchrun.main(argv)
+    except SystemExit as e:  # torchrun exits with the workers' status
+        return int(e.code or 0)
+    except Exception as e:  # ChildFailedError and friends: the workers printed their own errors
+        print(f"cdsgd launch: workers failed ({type(e).__name__}) after {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -205,7 +305,7 @@ def _cmd_data(args) -> int:
 
 # --------------------------------------------------------------------- main
 
-_VERBS = (_add_run, _add_data, _add_topo)
+_VERBS = (_add_run, _add_launch, _add_data, _add_topo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,10 @@ class Config:
 
     # --- algorithm and executor
     algorithm: str = "cdmsgd"  # cdsgd | cdmsgd | sgd | msgd | fedavg | local
-    executor: str = "sim"  # sim: all agents in one process
+    executor: str = "sim"  # sim: all agents in one process; torch: one torchrun rank per agent
+    device: str = "cpu"  # cpu (gloo between ranks) | cuda (nccl between ranks)
+    comm_timeout: float = 120.0  # seconds any wait on a neighbour or collective may take (torch executor)
+    overlap: bool = True  # exchange parameters during the backward pass (False: after it, for measurement)
     # --- communication graph
     topology: str = "ring"  # builder name (ring, torus, complete, ...) or a graph file path
     topology_params: dict = field(default_factory=dict)  # builder parameters, e.g. {p = 0.3, seed = 1}
@@ -79,6 +82,7 @@ class Config:
     eval_batch_size: int = 1024
     out: str = ""  # output folder ("": runs/<algorithm>-<topology>-<dataset>-<time>)
     overwrite: bool = False  # allow writing into an existing non-empty output folder
+    save_params: bool = False  # also write params.pt: the final N×P parameters (torch.save)
 
     def identity(self) -> dict:
         """The keys that identify a run in summaries."""

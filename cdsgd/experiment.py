@@ -48,7 +48,7 @@ from .simulator import METRIC_COLUMNS, STRATEGIES, INITS, Simulator
 __all__ = ["run_experiment", "prepare", "EXECUTORS", "default_out"]
 
 #: executors ``cdsgd run`` knows (the distributed runtime adds "torch")
-EXECUTORS = ("sim",)
+EXECUTORS = ("sim", "torch")
 
 
 def _choice(key: str, value: str, allowed) -> None:
@@ -78,6 +78,11 @@ def validate_config(cfg: Config) -> None:
             raise ValueError(f"{key} must be >= 0 (0 means all/off), got {getattr(cfg, key)}")
     if not cfg.dirichlet_alpha > 0:
         raise ValueError(f"dirichlet_alpha must be > 0, got {cfg.dirichlet_alpha}")
+    if not cfg.comm_timeout > 0:
+        raise ValueError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+    _choice("device", cfg.device, ("cpu", "cuda"))
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
 
 
 def hyperparameters(cfg: Config) -> dict:
@@ -149,35 +154,117 @@ def _json_number(v):
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
+def _make_executor(cfg: Config, parts: dict, **where) -> Simulator:
+    return Simulator(
+        parts["model_fn"], parts["shards"], where.pop("mixer", parts["W"]), cfg.algorithm,
+        batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
+        test_set=parts["test_set"], eval_batch_size=cfg.eval_batch_size,
+        eval_agents=cfg.eval_agents or None, eval_samples=cfg.eval_samples or None, exact=cfg.exact,
+        augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
+        **where, **hyperparameters(cfg),
+    )
+
+
+def _default_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Run one experiment and write its output folder. Returns the summary dict.
+
+    ``executor="sim"`` runs all agents in this process. ``executor="torch"``
+    must run in every rank of a torchrun launch (``cdsgd launch``): rank j is
+    agent j, rank 0 writes the output folder, the others write nothing there.
 
     ``progress``: a tqdm bar (default: when stderr is a terminal); otherwise
     one log line per evaluation through ``log`` (default: print to stderr).
     """
-    if log is None:
-        def log(msg: str) -> None:
-            print(msg, file=sys.stderr, flush=True)
+    log = log or _default_log
     if progress is None:
         progress = sys.stderr.isatty()
     validate_config(cfg)
+    if cfg.executor == "torch":
+        return _run_distributed(cfg, progress=progress, log=log)
     out = _prepare_out(cfg)
     cfg = Config(**{**cfg.__dict__, "out": str(out)})
+    if cfg.exact:
+        torch.set_num_threads(1)  # as each torchrun worker: identical rounding in both executors
     parts = prepare(cfg)
-    sim = Simulator(
-        parts["model_fn"], parts["shards"], parts["W"], cfg.algorithm,
-        batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
-        test_set=parts["test_set"], eval_batch_size=cfg.eval_batch_size,
-        eval_agents=cfg.eval_agents or None, eval_samples=cfg.eval_samples or None, exact=cfg.exact,
-        augment=random_crop_flip if cfg.augment else None, **hyperparameters(cfg),
-    )
-    _atomic_write(out / "config.toml", dump_config(cfg))
+    sim = _make_executor(cfg, parts)
+    return _drive(cfg, sim, parts, out, writer=True, progress=progress, log=log)
+
+
+def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None]) -> dict:
+    import datetime as _dt
+
+    import torch.distributed as dist
+
+    from .runtime import DistReducer, NeighbourMixer, check_agreement
+
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"executor='torch' runs one process per agent and must be launched by torchrun "
+            f"(missing {', '.join(missing)}): use  cdsgd launch --nproc-per-node {cfg.n_agents} [CONFIG] "
+            "[key=value ...]  or  torchrun --nproc-per-node N -m cdsgd run ... executor=torch"
+        )
+    world = int(os.environ["WORLD_SIZE"])
+    if world != cfg.n_agents:
+        raise ValueError(f"world size {world} must equal n_agents={cfg.n_agents}: one rank per agent")
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if cfg.exact:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, timeout=_dt.timedelta(seconds=cfg.comm_timeout))
+    try:
+        rank = dist.get_rank()
+        decided: list = [None]
+        if rank == 0:
+            try:
+                decided[0] = ("ok", str(_prepare_out(cfg)))
+            except ValueError as e:
+                decided[0] = ("error", str(e))
+        dist.broadcast_object_list(decided, src=0)
+        status, value = decided[0]
+        if status == "error":
+            raise ValueError(value)
+        out = Path(value)
+        cfg = Config(**{**cfg.__dict__, "out": str(out)})
+        parts = prepare(cfg)
+        device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.device == "cuda" else torch.device("cpu")
+        mixer = NeighbourMixer(parts["W"], rank, timeout=cfg.comm_timeout)
+        reducer = DistReducer(device=device, timeout=cfg.comm_timeout)
+        sim = _make_executor(cfg, parts, mixer=mixer, agents=[rank], reducer=reducer)
+        check_agreement({"mixing matrix": parts["W"], "n_agents": cfg.n_agents, "world size": world,
+                         "parameter count": sim.layout.numel, "config": dump_config(cfg)})
+        if rank != 0:
+            log = lambda msg: None  # noqa: E731 - only rank 0 talks
+            progress = False
+        summary = _drive(cfg, sim, parts, out, writer=rank == 0, progress=progress, log=log)
+        # leave together: a rank tearing its connections down while a peer still reads
+        # from them would fail that peer's last collective
+        if backend == "gloo":
+            dist.monitored_barrier(timeout=_dt.timedelta(seconds=cfg.comm_timeout))
+        else:
+            dist.barrier()
+        return summary
+    finally:
+        dist.destroy_process_group()
+
+
+def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool, progress: bool,
+           log: Callable[[str], None]) -> dict:
+    """Run the executor; the writer writes config.toml, metrics.csv, summary.json (and params.pt)."""
     total = max(1, round(cfg.epochs * sim.steps_per_epoch))
     gap = parts["spectral_gap"]
     summary = {
         "status": "running",
         "out": str(out),
         **cfg.identity(),
+        "executor": cfg.executor,
         "spectral_gap": gap.gap,
         "lambda2": gap.lambda2,
         "n_parameters": sim.layout.numel,
@@ -186,37 +273,47 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
         "torch_version": torch.__version__,
         "cdsgd_version": __version__,
     }
+    if writer:
+        _atomic_write(out / "config.toml", dump_config(cfg))
     log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {gap.gap:.4f}), "
         f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
-        f"{total} steps, output {out}")
+        f"{total} steps, executor {cfg.executor}, output {out}")
     rows: list[dict] = []
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    with open(out / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(METRIC_COLUMNS))
-        writer.writeheader()
-        f.flush()
+    f = open(out / "metrics.csv", "w", newline="") if writer else None
+    try:
+        csv_writer = None
+        if f is not None:
+            csv_writer = csv.DictWriter(f, fieldnames=list(METRIC_COLUMNS))
+            csv_writer.writeheader()
+            f.flush()
 
         def on_row(row: dict) -> None:
             rows.append(row)
-            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
-            f.flush()
-            os.fsync(f.fileno())
-            line = (f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
-                    f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
-                    f"consensus {row['consensus_distance']:.3g}")
+            if csv_writer is not None:
+                csv_writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+                f.flush()
+                os.fsync(f.fileno())
             if bar is not None:
                 bar.set_postfix_str(f"acc {row['test_accuracy']:.3f}")
             else:
-                log(line)
+                log(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
+                    f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
+                    f"consensus {row['consensus_distance']:.3g}")
 
         try:
             sim.run(steps=total, eval_every=cfg.eval_every * sim.steps_per_epoch, callback=on_row,
                     progress=(lambda k: bar.update(1)) if bar is not None else None)
+            if cfg.save_params:
+                params = sim.reducer.gather(sim.X)
+                if writer:
+                    tmp = out / "params.pt.tmp"
+                    torch.save(params.cpu(), tmp)
+                    os.replace(tmp, out / "params.pt")
             summary["status"] = "completed"
         except KeyboardInterrupt:
             summary["status"] = "interrupted"
@@ -229,6 +326,10 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
             summary.update({k: _json_number(v) for k, v in final.items()})
             summary["best_test_accuracy"] = max(accs) if accs else None
             summary["evaluations"] = len(rows)
-            _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            summary["eval_bytes_per_agent"] = sim.reducer.bytes
+            if writer:
+                _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    finally:
+        if f is not None:
+            f.close()
     return summary
-

@@ -232,6 +232,10 @@ class Reducer:
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def gather(self, X: torch.Tensor) -> torch.Tensor:
+        """All agents' rows as one N×P stack (here: the stack itself)."""
+        return X.clone()
+
 
 class Simulator:
     """N agents, one process. See the module docstring for the semantics.
