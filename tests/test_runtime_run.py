@@ -137,3 +137,17 @@ def test_paper_ring_weights_reach_the_runtime(tmp_path):
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(torch.load(tor / "params.pt").numpy(), torch.load(sim / "params.pt").numpy(),
                                rtol=0, atol=1e-5)
+
+
+def test_own_training_loop_example_under_torchrun():
+    """experiments/launch/own_loop.py: a user's loop with CDMSGD + NeighbourMixer, 3 ranks."""
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "launch", "own_loop.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "--epochs", "3"],
+                       capture_output=True, text=True, timeout=180, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    final = [line for line in r.stdout.splitlines() if "epoch 3:" in line]
+    assert len(final) == 3
+    for line in final:
+        acc = float(line.split("test accuracy ")[1].split(",")[0])
+        assert acc > 0.85, line  # measured 0.93-0.94 on digits after 3 epochs

@@ -1,0 +1,136 @@
+"""Two real "hosts": ``cdsgd launch`` across two Linux network namespaces.
+
+The test creates two network namespaces joined by a veth pair, with private
+addresses (10.231.X.1/24 and 10.231.X.2/24) that exist only inside them: no
+route leads out, so no traffic leaves the pair. It runs
+
+    ip netns exec NS python -m cdsgd launch --nproc-per-node 2 --nnodes 2 --node-rank R
+        --master-addr <node 0's address> --master-port P ... out=<shared folder>
+
+in both namespaces at once (torchrun's default static rendezvous: node 0's
+agent hosts the TCPStore on the master port, node 1's connects to it), with
+GLOO_SOCKET_IFNAME set to the namespace's veth (without it gloo takes the
+hostname's address, 127.0.0.1, which node 1 cannot reach). The result must be
+identical to a one-node ``cdsgd launch --nproc-per-node 4`` on loopback.
+
+Needs root and iproute2 (``ip``); skipped with the reason otherwise, or when
+the kernel refuses to create a namespace. The namespaces (and with them the
+veth ends) are removed whatever happens; every subprocess has a hard timeout,
+after which its whole process group is killed and its output shown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_runtime_run import BASE, NO_WALL, metrics
+
+LAUNCH_TIMEOUT = 90  # seconds per launch (a run takes ~10 s here)
+IP_TIMEOUT = 20
+MASTER_PORT = 29500  # fresh namespaces: nothing else listens there
+
+
+def _ip(*args, check=True):
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r
+
+
+@pytest.fixture
+def netns_pair():
+    """Two namespaces joined by a veth pair: yields [(ns, ifname, address), ...] for node 0 and node 1."""
+    if sys.platform != "linux":
+        pytest.skip("network namespaces need Linux")
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's 'ip' command is not installed")
+    pid = os.getpid()
+    subnet = f"10.231.{pid % 254 + 1}"  # private, and only ever assigned inside the two namespaces
+    nodes = [(f"cdsgd{pid}n{i}", f"cdv{pid}n{i}", f"{subnet}.{i + 1}") for i in range(2)]
+    created = []
+    try:
+        for ns, _, _ in nodes:
+            r = _ip("netns", "add", ns, check=False)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create a network namespace here: ip netns add: {r.stderr.strip()}")
+            created.append(ns)
+        (ns0, if0, _), (ns1, if1, _) = nodes
+        _ip("link", "add", if0, "type", "veth", "peer", "name", if1)
+        for ns, ifname, addr in nodes:
+            _ip("link", "set", ifname, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield nodes
+    finally:
+        # deleting a namespace destroys the veth end inside it, and with it the peer
+        for ns in created:
+            _ip("netns", "del", ns, check=False)
+        for _, ifname, _ in nodes:  # only if set-up failed before moving it out of the root namespace
+            if _ip("link", "show", ifname, check=False).returncode == 0:
+                _ip("link", "del", ifname, check=False)
+
+
+def _start(argv, env):
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env}, start_new_session=True)
+
+
+def _finish(procs, timeout):
+    """Wait for every process (one shared deadline); on timeout kill each one's process group."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    outs, timed_out = [], []
+    try:
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                timed_out.append(p.pid)
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher and its torchrun workers
+                outs.append(p.communicate()[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return outs, timed_out
+
+
+def _report(names, procs, outs, timed_out):
+    return "\n".join(f"===== {n}: exit {p.returncode}{' (killed on timeout)' if p.pid in timed_out else ''}\n{o}"
+                     for n, p, o in zip(names, procs, outs))
+
+
+def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, netns_pair):
+    one, two = tmp_path / "one", tmp_path / "two"
+    ref = _start([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *BASE, f"out={one}"], {})
+    outs, timed_out = _finish([ref], LAUNCH_TIMEOUT)
+    assert ref.returncode == 0 and not timed_out, _report(["one node on loopback"], [ref], outs, timed_out)
+
+    master = netns_pair[0][2]
+    procs, names = [], []
+    for rank, (ns, ifname, addr) in enumerate(netns_pair):
+        argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "2",
+                "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master,
+                "--master-port", str(MASTER_PORT), *BASE, f"out={two}"]
+        procs.append(_start(argv, {"GLOO_SOCKET_IFNAME": ifname}))
+        names.append(f"node {rank} (namespace {ns}, {ifname} {addr})")
+    outs, timed_out = _finish(procs, LAUNCH_TIMEOUT)
+    assert all(p.returncode == 0 for p in procs) and not timed_out, _report(names, procs, outs, timed_out)
+
+    assert torch.equal(torch.load(one / "params.pt"), torch.load(two / "params.pt"))
+    m1, m2 = metrics(one), metrics(two)
+    assert len(m1) == len(m2) == 2
+    for a, b in zip(m1, m2):
+        assert {k: a[k] for k in NO_WALL} == {k: b[k] for k in NO_WALL}
