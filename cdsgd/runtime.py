@@ -97,6 +97,8 @@ class NeighbourMixer(Mixer):
     simulator's exact mode computes the same sum in the same order). Receive
     buffers and the output are allocated once per shape and reused: a result
     is valid until the next ``start``. ``x`` must not change until ``wait``.
+    After a :class:`CommError` the process group is not usable any more
+    (gloo's state after a failed wait): stop, do not retry with this mixer.
     """
 
     def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0) -> None:

@@ -333,6 +333,9 @@ class Simulator:
         self.algorithm = algorithm
 
         # --- the mixer
+        if not isinstance(W, Mixer) and len(self.agents) < n:
+            raise ValueError(f"an executor holding agents {self.agents} of {n} needs a Mixer that reaches the "
+                             "others (e.g. cdsgd.runtime.NeighbourMixer), not a matrix")
         if isinstance(W, Mixer):
             self.mixer = W
         elif W is None:
