@@ -235,7 +235,7 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         cfg = Config(**{**cfg.__dict__, "out": str(out)})
         parts = prepare(cfg)
         device = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg.device == "cuda" else torch.device("cpu")
-        mixer = NeighbourMixer(parts["W"], rank, timeout=cfg.comm_timeout)
+        mixer = NeighbourMixer(parts["W"], rank, timeout=cfg.comm_timeout, exact=cfg.exact)
         reducer = DistReducer(device=device, timeout=cfg.comm_timeout)
         sim = _make_executor(cfg, parts, mixer=mixer, agents=[rank], reducer=reducer)
         check_agreement({"mixing matrix": parts["W"], "n_agents": cfg.n_agents, "world size": world,

@@ -66,7 +66,8 @@ def _wait(work, timeout: float, what: str) -> None:
 class _NeighbourHandle(Handle):
     def __init__(self, mixer: "NeighbourMixer", works, peers, x, bufs, out, shape) -> None:
         self.mixer, self.works, self.peers = mixer, works, peers
-        self.x, self.bufs, self.out, self.shape = x, bufs, out, shape
+        self.x, self.bufs_matrix, self.out, self.shape = x, bufs, out, shape
+        self.bufs = list(bufs)
         self._done = False
 
     def wait(self) -> torch.Tensor:
@@ -75,7 +76,10 @@ class _NeighbourHandle(Handle):
             for (kind, peer), work in zip(self.peers, self.works):
                 verb = "receiving parameters from" if kind == "recv" else "sending parameters to"
                 _wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}")
-            ordered_weighted_sum(m.weights, [self.x, *self.bufs], self.out)
+            if m.exact or not self.bufs:
+                ordered_weighted_sum(m.weights, [self.x, *self.bufs], self.out)
+            else:  # one fused pass: π_jj·x_j + R^T w over the stacked receive buffers
+                torch.addmv(self.x, self.bufs_matrix.t(), m._wvec(self.x), beta=m.weights[0], out=self.out)
             self._done = True
         return self.out.view(self.shape)
 
@@ -92,23 +96,24 @@ class NeighbourMixer(Mixer):
 
     ``start(x)`` takes this rank's P-vector (or a 1×P stack), posts all sends
     and receives in one ``batch_isend_irecv``, and returns a handle whose
-    ``wait()`` completes them and returns the weighted sum, computed as
-    π_jj·x_j + Σ_l π_jl·x_l with the neighbours in ascending order (the
-    simulator's exact mode computes the same sum in the same order). Receive
+    ``wait()`` completes them and returns the weighted sum π_jj·x_j + Σ_l π_jl·x_l:
+    one fused pass (``addmv`` over the degree×P receive matrix) by default;
+    with ``exact=True`` explicit multiply-adds, self first and then the
+    neighbours in ascending order, as the simulator's exact mode. Receive
     buffers and the output are allocated once per shape and reused: a result
     is valid until the next ``start``. ``x`` must not change until ``wait``.
     After a :class:`CommError` the process group is not usable any more
     (gloo's state after a failed wait): stop, do not retry with this mixer.
     """
 
-    def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0) -> None:
+    def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0, exact: bool = False) -> None:
         W = topologies.validate(W)
         self.n_agents = W.shape[0]
         if not 0 <= rank < self.n_agents:
             raise ValueError(f"rank {rank} is outside the {self.n_agents} agents of the mixing matrix")
         if not timeout > 0:
             raise ValueError(f"comm_timeout must be > 0 seconds, got {timeout!r}")
-        self.rank, self.group, self.timeout = rank, group, float(timeout)
+        self.rank, self.group, self.timeout, self.exact = rank, group, float(timeout), bool(exact)
         self.rows = [rank]
         self.neighbours = [l for l in range(self.n_agents) if l != rank and W[rank, l] != 0]
         self.weights = [float(W[rank, rank])] + [float(W[rank, l]) for l in self.neighbours]
@@ -124,10 +129,17 @@ class NeighbourMixer(Mixer):
             raise ValueError("NeighbourMixer needs a contiguous parameter vector")
         return X
 
-    def _bufs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _bufs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The receive buffers (one row per neighbour of a degree×P matrix) and the output."""
         key = (x.numel(), x.dtype, x.device)
         if key not in self._buffers:
-            self._buffers[key] = ([torch.empty_like(x) for _ in self.neighbours], torch.empty_like(x))
+            self._buffers[key] = (x.new_empty((len(self.neighbours), x.numel())), torch.empty_like(x))
+        return self._buffers[key]
+
+    def _wvec(self, x: torch.Tensor) -> torch.Tensor:
+        key = ("w", x.dtype, x.device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.tensor(self.weights[1:], dtype=x.dtype, device=x.device)
         return self._buffers[key]
 
     def start(self, X: torch.Tensor) -> Handle:
@@ -136,7 +148,12 @@ class NeighbourMixer(Mixer):
         ops = [dist.P2POp(dist.isend, x, peer, self.group) for peer in self.neighbours]
         ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in zip(self.neighbours, bufs)]
         peers = [("send", p) for p in self.neighbours] + [("recv", p) for p in self.neighbours]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as e:  # a closed connection can fail the posting itself
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CommError(f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours} "
+                            f"failed (a neighbour's process is gone?): {msg}") from None
         self.bytes_sent += len(self.neighbours) * x.numel() * x.element_size()
         return _NeighbourHandle(self, works, peers, x, bufs, out, X.shape)
 

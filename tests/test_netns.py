@@ -15,8 +15,9 @@ identical to a one-node ``cdsgd launch --nproc-per-node 4`` on loopback.
 
 Needs root and iproute2 (``ip``); skipped with the reason otherwise, or when
 the kernel refuses to create a namespace. The namespaces (and with them the
-veth ends) are removed whatever happens; every subprocess has a hard timeout,
-after which its whole process group is killed and its output shown.
+veth ends) are removed whatever happens. Every subprocess has a hard timeout,
+after which it is stopped (SIGTERM, then SIGKILL to it and to every worker it
+started) and its output shown.
 """
 
 from __future__ import annotations
@@ -55,79 +56,130 @@ def netns_pair():
         pytest.skip("iproute2's 'ip' command is not installed")
     pid = os.getpid()
     subnet = f"10.231.{pid % 254 + 1}"  # private, and only ever assigned inside the two namespaces
-    nodes = [(f"cdsgd{pid}n{i}", f"cdv{pid}n{i}", f"{subnet}.{i + 1}") for i in range(2)]
+    token = f"{pid}-{os.urandom(3).hex()}"
+    nodes = [(f"cdsgd-{token}-n{i}", f"cdv{i}", f"{subnet}.{i + 1}") for i in range(2)]
     created = []
     try:
         for ns, _, _ in nodes:
             r = _ip("netns", "add", ns, check=False)
             if r.returncode != 0:
+                if "exists" in r.stderr:
+                    raise RuntimeError(f"ip netns add {ns}: {r.stderr.strip()}")
                 pytest.skip(f"cannot create a network namespace here: ip netns add: {r.stderr.strip()}")
             created.append(ns)
         (ns0, if0, _), (ns1, if1, _) = nodes
-        _ip("link", "add", if0, "type", "veth", "peer", "name", if1)
+        # created straight inside the namespaces: the veth never exists in the host's namespace
+        _ip("link", "add", "name", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1)
         for ns, ifname, addr in nodes:
-            _ip("link", "set", ifname, "netns", ns)
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
             _ip("-n", ns, "link", "set", ifname, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         yield nodes
-    finally:
-        # deleting a namespace destroys the veth end inside it, and with it the peer
+    finally:  # deleting a namespace destroys the veth end inside it, and with it the peer
         for ns in created:
-            _ip("netns", "del", ns, check=False)
-        for _, ifname, _ in nodes:  # only if set-up failed before moving it out of the root namespace
-            if _ip("link", "show", ifname, check=False).returncode == 0:
-                _ip("link", "del", ifname, check=False)
+            try:
+                _ip("netns", "del", ns, check=False)
+            except subprocess.TimeoutExpired:  # still try the other one
+                pass
 
 
-def _start(argv, env):
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **env}, start_new_session=True)
+def _start(argv, env, log):
+    """Start a launcher in its own process group, its output (and its workers') going to the file ``log``."""
+    with open(log, "w") as f:  # a file, not a pipe: an orphaned worker holding a pipe open could block a read
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
+
+
+def _stat(pid):
+    """(parent pid, start time) of a live process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _descendants(pid):
+    """{pid: start time} of every live descendant of ``pid``."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (st := _stat(int(name))) is not None:
+            children.setdefault(st[0], []).append((int(name), st[1]))
+    found, todo = {}, [pid]
+    while todo:
+        for child, start in children.get(todo.pop(), []):
+            found[child] = start
+            todo.append(child)
+    return found
+
+
+def _stop(p, grace=15.0):
+    """End a launcher that ran out of time: SIGTERM first, so that torchrun stops its workers itself; then
+    SIGKILL its process group and every worker it started (torchrun puts each worker in a session of its own,
+    so killing the launcher alone would leave them running)."""
+    workers = _descendants(p.pid)
+    try:
+        os.kill(p.pid, signal.SIGTERM)
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    workers.update(_descendants(p.pid))
+    for pid, start in workers.items():
+        st = _stat(pid)
+        if st is not None and st[1] == start:  # still that same process, not a recycled pid
+            os.kill(pid, signal.SIGKILL)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def _finish(procs, timeout):
-    """Wait for every process (one shared deadline); on timeout kill each one's process group."""
+    """Wait for every launcher with one shared deadline; stop those still running at it. Returns the pids
+    that were stopped."""
     import time
 
     deadline = time.monotonic() + timeout
-    outs, timed_out = [], []
+    timed_out = []
     try:
         for p in procs:
             try:
-                outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out.append(p.pid)
-                os.killpg(p.pid, signal.SIGKILL)  # the launcher and its torchrun workers
-                outs.append(p.communicate()[0])
+                _stop(p)
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
-    return outs, timed_out
+                _stop(p)
+    return timed_out
 
 
-def _report(names, procs, outs, timed_out):
-    return "\n".join(f"===== {n}: exit {p.returncode}{' (killed on timeout)' if p.pid in timed_out else ''}\n{o}"
-                     for n, p, o in zip(names, procs, outs))
+def _report(names, procs, logs, timed_out):
+    return "\n".join(f"===== {n}: exit {p.returncode}{' (stopped on timeout)' if p.pid in timed_out else ''}\n"
+                     f"{log.read_text(errors='replace')}" for n, p, log in zip(names, procs, logs))
 
 
 def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, netns_pair):
     one, two = tmp_path / "one", tmp_path / "two"
-    ref = _start([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *BASE, f"out={one}"], {})
-    outs, timed_out = _finish([ref], LAUNCH_TIMEOUT)
-    assert ref.returncode == 0 and not timed_out, _report(["one node on loopback"], [ref], outs, timed_out)
+    log = tmp_path / "one.log"
+    ref = _start([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *BASE, f"out={one}"], {}, log)
+    timed_out = _finish([ref], LAUNCH_TIMEOUT)
+    assert ref.returncode == 0 and not timed_out, _report(["one node on loopback"], [ref], [log], timed_out)
 
     master = netns_pair[0][2]
-    procs, names = [], []
+    procs, names, logs = [], [], []
     for rank, (ns, ifname, addr) in enumerate(netns_pair):
         argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "2",
                 "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master,
                 "--master-port", str(MASTER_PORT), *BASE, f"out={two}"]
-        procs.append(_start(argv, {"GLOO_SOCKET_IFNAME": ifname}))
+        logs.append(tmp_path / f"node{rank}.log")
+        procs.append(_start(argv, {"GLOO_SOCKET_IFNAME": ifname}, logs[-1]))
         names.append(f"node {rank} (namespace {ns}, {ifname} {addr})")
-    outs, timed_out = _finish(procs, LAUNCH_TIMEOUT)
-    assert all(p.returncode == 0 for p in procs) and not timed_out, _report(names, procs, outs, timed_out)
+    timed_out = _finish(procs, LAUNCH_TIMEOUT)
+    assert all(p.returncode == 0 for p in procs) and not timed_out, _report(names, procs, logs, timed_out)
 
     assert torch.equal(torch.load(one / "params.pt"), torch.load(two / "params.pt"))
     m1, m2 = metrics(one), metrics(two)

@@ -64,7 +64,7 @@ def _exact_match(rank, world, W):
     from cdsgd.runtime import NeighbourMixer
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
-    return NeighbourMixer(W, rank).mix(x).clone()
+    return NeighbourMixer(W, rank, exact=True).mix(x).clone()
 
 
 def test_runtime_mixing_bit_identical_to_simulator_exact_mode():

@@ -150,5 +150,8 @@ def test_dead_neighbour_is_an_error_naming_it():
     assert results[1] == ("exited", 0)
     for rank in (0, 2):  # both neighbours of rank 1 on a ring of 3
         msg, waited = results[rank]
-        assert f"rank {rank}: " in msg and "neighbour rank 1" in msg, msg
+        # the failure shows either while waiting (naming rank 1) or already when posting the batch
+        # (gloo then cannot say which peer closed: both neighbours are named)
+        assert msg.startswith(f"rank {rank}: "), msg
+        assert "neighbour rank 1" in msg or "neighbour ranks [0, 1]" in msg or "neighbour ranks [1, 2]" in msg, msg
         assert waited < 20  # well before comm_timeout=20 s: the closed connection is noticed

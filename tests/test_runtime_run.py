@@ -97,9 +97,13 @@ def test_two_torchrun_agents_on_loopback_equal_one_node(tmp_path):
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
-        for p in procs:
+        for p in procs:  # SIGTERM first: torchrun then stops its workers (a SIGKILL would orphan them)
             if p.poll() is None:
-                p.kill()
+                p.terminate()
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
     assert all(p.returncode == 0 for p in procs), outs
     assert torch.equal(torch.load(one / "params.pt"), torch.load(two / "params.pt"))
     for a, b in zip(metrics(one), metrics(two)):
