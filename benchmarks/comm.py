@@ -87,7 +87,6 @@ import datetime
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -102,6 +101,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import topologies  # noqa: E402
+from cdsgd.cli import free_port  # noqa: E402
 from cdsgd.models import build_model  # noqa: E402
 from cdsgd.simulator import Simulator  # noqa: E402
 
@@ -270,12 +270,6 @@ def _worker(rank, world, port, plan, quick, queue):
 
 
 # --------------------------------------------------------------------------- the parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(world: int, plan: tuple, quick: bool, deadline_s: float) -> dict:

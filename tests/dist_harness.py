@@ -12,16 +12,11 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cdsgd.cli import free_port  # noqa: F401 - re-exported for the tests
 
 
 def _worker(rank, world, port, fn, args, queue, pg_timeout):
