@@ -133,9 +133,13 @@ def _add_run(sub) -> None:
 
 
 def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    import os
+
     path, overrides = None, []
     for i, a in enumerate(args):
-        if "=" in a:
+        if i == 0 and (a.endswith(".toml") or os.path.isfile(a)):
+            path = a  # the config file (its path may contain '=')
+        elif "=" in a:
             overrides.append(a)
         elif i == 0:
             path = a
@@ -261,6 +265,92 @@ def _cmd_launch(args) -> int:
     return 0
 
 
+# -------------------------------------------------------------------- sweep
+
+
+def _add_sweep(sub) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="run a grid of experiments and tabulate them",
+        description="Expand a sweep file (a [base] table of config keys or base = \"config.toml\", a [grid] of "
+        "lists, optional [[zip]] groups and [[exclude]] tables) into runs, run those not finished yet (a run "
+        "is identified by its resolved config), and write DIR/results.csv. One failing run does not stop "
+        "the others.",
+        epilog="examples:\n  cdsgd sweep experiments/ablations/topology.toml --out runs/topology --jobs 2\n"
+        "  cdsgd sweep --collect runs/topology\n  cdsgd plot runs/topology\ndocs: docs/sweeps.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("sweep", nargs="?", metavar="SWEEP.toml", help="the sweep file (not needed with --collect)")
+    p.add_argument("--out", default=None, help="sweep folder (default: runs/<sweep file name>)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, in separate processes (default 1)")
+    p.add_argument("--collect", metavar="DIR", default=None, help="only rebuild DIR/results.csv from its runs")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and exit")
+    p.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args) -> int:
+    from pathlib import Path
+
+    from .sweep import collect, load_sweep, run_sweep
+
+    if args.collect:
+        if not Path(args.collect).is_dir():
+            raise ValueError(f"--collect: {args.collect!r} is not a folder")
+        rows = collect(args.collect)
+        print(f"{len(rows)} runs in {Path(args.collect) / 'results.csv'}")
+        return 0
+    if not args.sweep:
+        raise ValueError("give a sweep file (or --collect DIR)")
+    out = args.out or str(Path("runs") / Path(args.sweep).stem)
+    runs = load_sweep(args.sweep, out)
+    if args.dry_run:
+        for r in runs:
+            print(r.folder)
+        print(f"{len(runs)} runs")
+        return 0
+    report = run_sweep(runs, out, jobs=args.jobs)
+    return 1 if report["failed"] else 0
+
+
+# --------------------------------------------------------------------- plot
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw the figures of a run or a sweep",
+        description="For a run folder (with metrics.csv): curves.png (test accuracy and consensus distance "
+        "vs epoch). For a sweep folder: accuracy_vs_epoch.png, consensus_vs_epoch.png (log scale), "
+        "accuracy_vs_spectral_gap.png and accuracy_vs_bytes.png, with mean and min-max over seeds.",
+        epilog="example: cdsgd plot runs/topology",
+    )
+    p.add_argument("folder", metavar="DIR", help="a run folder or a sweep folder")
+    p.add_argument("--out", default=None, help="where to write the PNG files (default: DIR)")
+    p.set_defaults(func=_cmd_plot)
+
+
+def _cmd_plot(args) -> int:
+    from pathlib import Path
+
+    from .plotting import plot_run, plot_sweep
+    from .sweep import collect
+
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise ValueError(f"{args.folder!r} is not a folder")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    if (folder / "metrics.csv").exists():
+        files = plot_run(folder, args.out)
+    else:
+        if not (folder / "results.csv").exists():
+            collect(folder)
+        files = plot_sweep(folder, args.out)
+    for f in files:
+        print(f)
+    return 0
+
+
 # --------------------------------------------------------------------- data
 
 
@@ -305,7 +395,7 @@ def _cmd_data(args) -> int:
 
 # --------------------------------------------------------------------- main
 
-_VERBS = (_add_run, _add_launch, _add_data, _add_topo)
+_VERBS = (_add_run, _add_launch, _add_sweep, _add_plot, _add_data, _add_topo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import os
 import networkx as nx
 import numpy as np
 
-__all__ = ["draw_topology"]
+__all__ = ["draw_topology", "plot_run", "plot_sweep"]
 
 
 def _pyplot():
@@ -61,3 +61,133 @@ def draw_topology(G: nx.Graph, W, path: str | os.PathLike, *, title: str = "") -
         os.makedirs(directory, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------- run / sweep figures
+
+
+def _read_csv(path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def plot_run(folder, out=None) -> list[str]:
+    """Curves of one run folder: test accuracy (agents' mean and average model) and
+    consensus distance against epochs. Returns the files written."""
+    from pathlib import Path
+
+    plt = _pyplot()
+    folder = Path(folder)
+    rows = _read_csv(folder / "metrics.csv")
+    if not rows:
+        raise ValueError(f"{folder / 'metrics.csv'} has no rows yet")
+    ep = [_num(r["epoch"]) for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(ep, [_num(r["test_accuracy"]) for r in rows], marker="o", label="agents' own models (mean)")
+    a.plot(ep, [_num(r["test_accuracy_avg_model"]) for r in rows], marker="s", label="average model")
+    a.set_xlabel("epoch")
+    a.set_ylabel("test accuracy")
+    a.grid(alpha=0.3)
+    a.legend()
+    b.semilogy(ep, [_num(r["consensus_distance"]) for r in rows], marker="o", color="C2")
+    b.set_xlabel("epoch")
+    b.set_ylabel("consensus distance sqrt(mean ||x_j - x̄||²)")
+    b.grid(alpha=0.3, which="both")
+    fig.suptitle(folder.name)
+    fig.tight_layout()
+    path = Path(out or folder) / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]
+
+
+def plot_sweep(folder, out=None) -> list[str]:
+    """The sweep figures from ``folder/results.csv`` and the runs' metrics.csv.
+
+    Runs are grouped by their varying keys except the seed; curves show the
+    mean over seeds with a band from the lowest to the highest seed.
+    Writes accuracy_vs_epoch.png, consensus_vs_epoch.png,
+    accuracy_vs_spectral_gap.png and accuracy_vs_bytes.png.
+    """
+    from pathlib import Path
+
+    from .sweep import RESULT_COLUMNS
+
+    plt = _pyplot()
+    folder = Path(folder)
+    out = Path(out or folder)
+    results = [r for r in _read_csv(folder / "results.csv") if r["status"] == "completed"]
+    if not results:
+        raise ValueError(f"{folder / 'results.csv'} lists no completed run")
+    varying = [k for k in results[0] if k not in RESULT_COLUMNS]
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        label = ", ".join(f"{k}={Path(r[k]).stem if '/' in r[k] else r[k]}" for k in varying) or "runs"
+        groups.setdefault(label, []).append(r)
+
+    def curves(column):
+        out_curves = {}
+        for label, runs in groups.items():
+            series = [_read_csv(folder / r["run"] / "metrics.csv") for r in runs]
+            n = min(len(s) for s in series)
+            if n == 0:
+                continue
+            ep = np.array([_num(x["epoch"]) for x in series[0][:n]])
+            vals = np.array([[_num(x[column]) for x in s[:n]] for s in series])
+            out_curves[label] = (ep, vals.mean(0), vals.min(0), vals.max(0), len(series))
+        return out_curves
+
+    written = []
+    for column, name, ylabel, log in (
+        ("test_accuracy", "accuracy_vs_epoch.png", "test accuracy (mean over agents)", False),
+        ("consensus_distance", "consensus_vs_epoch.png", "consensus distance", True),
+    ):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for i, (label, (ep, mean, lo, hi, k)) in enumerate(sorted(curves(column).items())):
+            color = f"C{i % 10}"
+            ax.plot(ep, mean, color=color, label=f"{label} ({k} seed{'s' if k > 1 else ''})",
+                    linestyle="-" if i < 10 else "--")
+            ax.fill_between(ep, lo, hi, color=color, alpha=0.15)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="best")
+        ax.set_title(f"{ylabel} vs epoch: mean over seeds, band min-max")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(str(out / name))
+
+    for xcol, name, xlabel, logx in (
+        ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂ of the mixing matrix", False),
+        ("bytes_sent_per_agent", "accuracy_vs_bytes.png", "bytes sent per agent (whole run)", True),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 5.5))
+        for i, (label, runs) in enumerate(sorted(groups.items())):
+            xs = np.array([_num(r[xcol]) for r in runs])
+            ys = np.array([_num(r["test_accuracy"]) for r in runs])
+            ax.errorbar(xs.mean(), ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
+                        fmt="o" if i < 10 else "s", color=f"C{i % 10}", capsize=3, label=label)
+        if logx:
+            ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("final test accuracy (mean over agents)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        ax.set_title("final accuracy: mean over seeds, bar min-max")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(str(out / name))
+    return written

@@ -1,0 +1,276 @@
+"""Sweeps: one TOML file → many runs → one tidy results table.
+
+A sweep file::
+
+    [base]                          # config keys shared by every run
+    file = "experiments/paper/fashion_mnist_ring_iid.toml"   # optional: start from a config file
+    dataset = "digits"
+    epochs = 5
+
+(or just ``base = "path/to/config.toml"``)
+
+    [grid]                          # every combination of these lists
+    algorithm = ["cdsgd", "cdmsgd"]
+    seed = [0, 1, 2]
+
+    [[zip]]                         # keys that vary together (one dimension of the grid)
+    topology = ["ring", "torus"]
+    n_agents = [9, 9]
+
+    [[exclude]]                     # drop every run matching all of these keys
+    algorithm = "cdsgd"
+    topology = "torus"
+
+expands to the cartesian product of the ``grid`` lists and the ``zip``
+groups, minus the exclusions. Each run is a normal run folder (the run-output
+contract) under the sweep folder, named readably and stably from its varying
+keys (``algorithm=cdsgd,seed=0,topology=ring,n_agents=9``, made file-safe).
+A run is identified by its resolved config (a digest of every key but
+``out``/``overwrite``), not by its folder: re-running a sweep skips runs whose
+completed folder holds the same config, and reruns failed or interrupted
+ones. ``results.csv`` holds one row per run and can be rebuilt from the
+folders at any time (:func:`collect`).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .config import Config, _toml_value, dump_config, load_config
+from .experiment import validate_config
+
+__all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "run_identity", "RESULT_COLUMNS"]
+
+#: the fixed columns of results.csv, after the sweep's varying keys
+RESULT_COLUMNS = ["seed", "spectral_gap", "epoch", "step", "train_loss", "test_loss", "test_accuracy",
+                  "test_accuracy_avg_model", "consensus_distance", "bytes_sent_per_agent",
+                  "best_test_accuracy", "wall_seconds", "status", "run"]
+
+_SWEEP_KEYS = {"base", "grid", "zip", "exclude"}
+
+
+@dataclass
+class SweepRun:
+    """One run of a sweep: its varying keys, resolved config and folder."""
+
+    varying: dict
+    config: Config
+    folder: Path
+
+    @property
+    def identity(self) -> str:
+        return run_identity(self.config)
+
+
+def run_identity(cfg: Config) -> str:
+    """Digest of the resolved config without where it is written."""
+    data = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "overwrite")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _folder_name(varying: dict) -> str:
+    parts = []
+    for k, v in varying.items():
+        text = Path(v).stem if isinstance(v, str) and ("/" in v or os.sep in v) else str(v)
+        parts.append(f"{k}={text}")
+    name = re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(parts)) or "run"
+    if len(name) > 150:  # keep it readable and stable: truncate, then disambiguate
+        name = name[:130] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
+    return name
+
+
+def _as_list(where: str, key: str, value) -> list:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"sweep {where}.{key} must be a non-empty list of values, got {value!r}")
+    return value
+
+
+def load_sweep(path: str | os.PathLike, out: str | os.PathLike) -> list[SweepRun]:
+    """Expand a sweep file into its runs (validated), with folders under ``out``."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"sweep file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - _SWEEP_KEYS)
+    if unknown:
+        raise ValueError(f"sweep file {str(path)!r}: unknown table or key {unknown[0]!r}; "
+                         f"allowed: base, grid, zip, exclude")
+    base_file, base = None, {}
+    raw_base = data.get("base", {})
+    if isinstance(raw_base, str):
+        base_file = raw_base
+    elif isinstance(raw_base, dict):
+        base = dict(raw_base)
+        base_file = base.pop("file", None)
+    else:
+        raise ValueError(f"sweep 'base' must be a config file path or a table of config keys, got {raw_base!r}")
+    grid = data.get("grid", {})
+    if not isinstance(grid, dict):
+        raise ValueError("sweep 'grid' must be a table mapping config keys to lists")
+    dims: list[list[dict]] = [[{k: v} for v in _as_list("grid", k, vals)] for k, vals in grid.items()]
+    zips = data.get("zip", [])
+    zips = [zips] if isinstance(zips, dict) else zips
+    for z in zips:
+        lengths = {k: len(_as_list("zip", k, v)) for k, v in z.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"sweep zip group keys must have lists of one length, got {lengths}")
+        n = next(iter(lengths.values()))
+        dims.append([{k: z[k][i] for k in z} for i in range(n)])
+    excludes = data.get("exclude", [])
+    excludes = [excludes] if isinstance(excludes, dict) else excludes
+    varying_keys: list[str] = []
+    for dim in dims:
+        for k in dim[0]:
+            if k in varying_keys:
+                raise ValueError(f"sweep key {k!r} appears in more than one grid/zip dimension")
+            varying_keys.append(k)
+    runs, seen = [], {}
+    out = Path(out)
+    for combo in itertools.product(*dims) if dims else [()]:
+        varying = {}
+        for part in combo:
+            varying.update(part)
+        if any(all(varying.get(k) == v for k, v in ex.items()) for ex in excludes):
+            continue
+        overrides = [f"{k}={_toml_value(v)}" for k, v in {**base, **varying}.items()]
+        cfg = load_config(base_file, overrides)
+        name = _folder_name(varying)
+        cfg.out = str(out / name)
+        validate_config(cfg)
+        if name in seen:
+            raise ValueError(f"two runs of the sweep would share the folder {name!r}")
+        seen[name] = True
+        runs.append(SweepRun(varying=varying, config=cfg, folder=out / name))
+    if not runs:
+        raise ValueError(f"sweep file {str(path)!r} expands to no run (everything excluded?)")
+    return runs
+
+
+def _finished(folder: Path, identity: str) -> bool:
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+        cfg = load_config(folder / "config.toml")
+    except (OSError, ValueError):
+        return False
+    return summary.get("status") == "completed" and run_identity(cfg) == identity
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["(no output)"])[-1].strip()
+
+
+def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
+              log: Callable[[str], None] = print) -> dict:
+    """Run every unfinished run (``jobs`` at a time, in subprocesses), then write results.csv.
+
+    Each run is ``python -m cdsgd run CONFIG`` with its resolved config, so a
+    crash or a bad run cannot take the others down. With J jobs each run gets
+    max(1, cores // J) threads. Returns {"done": [...], "skipped": [...], "failed": [(name, error)]}.
+    """
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    todo, skipped = [], []
+    for r in runs:
+        (skipped if _finished(r.folder, r.identity) else todo).append(r)
+    if skipped:
+        log(f"cdsgd sweep: {len(skipped)} of {len(runs)} runs already finished (same config): skipped")
+    log(f"cdsgd sweep: running {len(todo)} runs, {jobs} at a time, {threads} thread(s) each, in {out}")
+    failed, done = [], []
+
+    def one(r: SweepRun) -> tuple[SweepRun, bool, str, float]:
+        r.folder.mkdir(parents=True, exist_ok=True)
+        cfg = Config(**{**r.config.__dict__, "overwrite": True})
+        spec = r.folder / "sweep-config.toml"
+        spec.write_text(dump_config(cfg))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "cdsgd", "run", str(spec), "--no-progress"],
+                           capture_output=True, text=True, env=env)
+        spec.unlink(missing_ok=True)
+        (r.folder / "run.log").write_text(p.stdout + p.stderr)
+        return r, p.returncode == 0, _last_error_line(p.stderr) if p.returncode else p.stdout.strip(), \
+            time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, r) for r in todo]
+        for i, fut in enumerate(as_completed(futures), 1):
+            r, ok, msg, secs = fut.result()
+            name = r.folder.name
+            if ok:
+                done.append(name)
+                log(f"[{i}/{len(todo)}] done    {name} ({secs:.0f} s): {msg}")
+            else:
+                failed.append((name, msg))
+                log(f"[{i}/{len(todo)}] FAILED  {name} ({secs:.0f} s): {msg}")
+    rows = collect(out)
+    log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(failed)} failed; "
+        f"{len(rows)} rows in {out / 'results.csv'}")
+    for name, msg in failed:
+        log(f"  failed: {name}: {msg}")
+    return {"done": done, "skipped": [r.folder.name for r in skipped], "failed": failed}
+
+
+def collect(out: str | os.PathLike) -> list[dict]:
+    """Rebuild ``out/results.csv`` from the run folders below ``out``; returns its rows.
+
+    The varying keys are the config keys whose values differ between the runs
+    (``out``, ``overwrite`` excepted); then come RESULT_COLUMNS. Runs without
+    a summary (never started) are left out; interrupted or failed runs appear
+    with their status.
+    """
+    out = Path(out)
+    found = []
+    for cfg_path in sorted(out.glob("*/config.toml")):
+        folder = cfg_path.parent
+        try:
+            cfg = load_config(cfg_path)
+            summary = json.loads((folder / "summary.json").read_text())
+        except (OSError, ValueError):
+            continue
+        found.append((folder, cfg, summary))
+    keys = [k for k in Config.__dataclass_fields__ if k not in ("out", "overwrite", "seed")]
+    varying = [k for k in keys if len({json.dumps(getattr(c, k), sort_keys=True) for _, c, _ in found}) > 1]
+    rows = []
+    for folder, cfg, summary in found:
+        row = {k: _cell(getattr(cfg, k)) for k in varying}
+        row["seed"] = cfg.seed
+        for k in RESULT_COLUMNS[1:-1]:
+            row[k] = summary.get(k)
+        row["run"] = folder.name
+        rows.append(row)
+    tmp = out / "results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=varying + RESULT_COLUMNS)
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+                        for k, v in row.items()})
+    os.replace(tmp, out / "results.csv")
+    return rows
+
+
+def _cell(v):
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+
