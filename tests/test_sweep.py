@@ -144,3 +144,14 @@ n_agents = [6]
     fields, rows = read_results(out)
     assert [r["run"] for r in rows] == ["topology=ring,n_agents=6"]
     assert "power of two" in (out / "topology=hypercube,n_agents=6" / "run.log").read_text()
+
+
+@pytest.mark.parametrize("name,count", [("topology.toml", 78), ("paper_claims.toml", 14)])
+def test_shipped_studies_expand_and_validate(tmp_path, monkeypatch, name, count):
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    runs = load_sweep(root / "experiments" / "ablations" / name, tmp_path / "out")
+    assert len(runs) == count
+    assert all(r.config.dataset == "fashion-mnist" for r in runs)
