@@ -321,7 +321,8 @@ def _add_plot(sub) -> None:
         help="draw the figures of a run or a sweep",
         description="For a run folder (with metrics.csv): curves.png (test accuracy and consensus distance "
         "vs epoch). For a sweep folder: accuracy_vs_epoch.png, consensus_vs_epoch.png (log scale), "
-        "accuracy_vs_spectral_gap.png and accuracy_vs_bytes.png, with mean and min-max over seeds.",
+        "accuracy_vs_spectral_gap.png and accuracy_vs_bytes.png, with mean and min-max over seeds, and "
+        "table.md: the final metrics per group of runs (mean ± std over seeds).",
         epilog="example: cdsgd plot runs/topology",
     )
     p.add_argument("folder", metavar="DIR", help="a run folder or a sweep folder")
@@ -346,6 +347,11 @@ def _cmd_plot(args) -> int:
         if not (folder / "results.csv").exists():
             collect(folder)
         files = plot_sweep(folder, args.out)
+        from .sweep import group_table
+
+        table = Path(args.out or folder) / "table.md"
+        table.write_text(group_table(folder))
+        files.append(str(table))
     for f in files:
         print(f)
     return 0

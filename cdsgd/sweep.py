@@ -53,7 +53,7 @@ from typing import Callable
 from .config import Config, _toml_value, dump_config, load_config
 from .experiment import validate_config
 
-__all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "run_identity", "RESULT_COLUMNS"]
+__all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
 
 #: the fixed columns of results.csv, after the sweep's varying keys
 RESULT_COLUMNS = ["seed", "spectral_gap", "epoch", "step", "train_loss", "test_loss", "test_accuracy",
@@ -274,3 +274,42 @@ def collect(out: str | os.PathLike) -> list[dict]:
 def _cell(v):
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
 
+
+
+def group_table(out: str | os.PathLike) -> str:
+    """A Markdown table of ``out/results.csv``: completed runs grouped by their varying keys
+    except the seed, with the mean (± standard deviation over seeds) of the final metrics."""
+    import statistics
+
+    out = Path(out)
+    with open(out / "results.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["status"] == "completed"]
+    if not rows:
+        raise ValueError(f"{out / 'results.csv'} lists no completed run")
+    varying = [k for k in rows[0] if k not in RESULT_COLUMNS]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in varying), []).append(r)
+
+    def stat(runs, col, fmt):
+        vals = [float(r[col]) for r in runs if r[col] not in ("", None)]
+        if not vals:
+            return ""
+        m = statistics.fmean(vals)
+        if len(vals) > 1:
+            return f"{m:{fmt}} ± {statistics.stdev(vals):{fmt}}"
+        return f"{m:{fmt}}"
+
+    cols = [("test_accuracy", "test acc (agents)", ".3f"), ("test_accuracy_avg_model", "test acc (avg model)", ".3f"),
+            ("consensus_distance", "consensus dist.", ".3g"), ("train_loss", "train loss", ".3f"),
+            ("test_loss", "test loss", ".3f")]
+    head = [*(Path(k).stem if "/" in k else k for k in varying), "seeds", "spectral gap", *(c[1] for c in cols),
+            "MB sent/agent"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(varying) + [" ---: "] * (len(head) - len(varying))) + "|"]
+    for key, runs in groups.items():
+        cells = [Path(v).stem if "/" in v else v for v in key]
+        cells += [str(len(runs)), f"{float(runs[0]['spectral_gap']):.3f}"]
+        cells += [stat(runs, c, fmt) for c, _, fmt in cols]
+        cells += [f"{float(runs[0]['bytes_sent_per_agent']) / 1e6:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -125,6 +125,11 @@ seed = [0, 1]
                  "accuracy_vs_bytes.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000, name
+    table = (out / "table.md").read_text().splitlines()
+    assert table[0].startswith("| topology | seeds | spectral gap | test acc (agents) |")
+    ring = next(line for line in table if line.startswith("| ring |"))
+    accs = [float(r["test_accuracy"]) for r in rows if r["topology"] == "ring"]
+    assert f"| 2 | 0.667 | {sum(accs) / 2:.3f} ± " in ring
     run = out / rows[0]["run"]
     assert cli.main(["plot", str(run)]) == 0
     assert (run / "curves.png").stat().st_size > 10000
