@@ -114,9 +114,12 @@ def plot_sweep(folder, out=None) -> list[str]:
     """The sweep figures from ``folder/results.csv`` and the runs' metrics.csv.
 
     Runs are grouped by their varying keys except the seed; curves show the
-    mean over seeds with a band from the lowest to the highest seed.
-    Writes accuracy_vs_epoch.png, consensus_vs_epoch.png,
-    accuracy_vs_spectral_gap.png and accuracy_vs_bytes.png.
+    mean over seeds with a band from the lowest to the highest seed. To stay
+    readable with many groups, the varying key with the most values sets the
+    colour, the next one the line style / marker, and any further keys split
+    the figure into panels. Writes accuracy_vs_epoch.png,
+    consensus_vs_epoch.png, accuracy_vs_spectral_gap.png and
+    accuracy_vs_bytes.png.
     """
     from pathlib import Path
 
@@ -128,66 +131,96 @@ def plot_sweep(folder, out=None) -> list[str]:
     results = [r for r in _read_csv(folder / "results.csv") if r["status"] == "completed"]
     if not results:
         raise ValueError(f"{folder / 'results.csv'} lists no completed run")
-    varying = [k for k in results[0] if k not in RESULT_COLUMNS]
-    groups: dict[str, list[dict]] = {}
-    for r in results:
-        label = ", ".join(f"{k}={Path(r[k]).stem if '/' in r[k] else r[k]}" for k in varying) or "runs"
-        groups.setdefault(label, []).append(r)
 
-    def curves(column):
-        out_curves = {}
-        for label, runs in groups.items():
-            series = [_read_csv(folder / r["run"] / "metrics.csv") for r in runs]
-            n = min(len(s) for s in series)
-            if n == 0:
-                continue
-            ep = np.array([_num(x["epoch"]) for x in series[0][:n]])
-            vals = np.array([[_num(x[column]) for x in s[:n]] for s in series])
-            out_curves[label] = (ep, vals.mean(0), vals.min(0), vals.max(0), len(series))
-        return out_curves
+    def show(v: str) -> str:
+        return Path(v).stem if "/" in v else v
+
+    varying = [k for k in results[0] if k not in RESULT_COLUMNS]
+    values = {k: sorted({r[k] for r in results}, key=lambda v: (_num(v), v)) for k in varying}
+    keys = sorted(varying, key=lambda k: -len(values[k]))
+    hue = keys[0] if keys else None
+    style = keys[1] if len(keys) > 1 else None
+    facet_keys = keys[2:]
+    facets = sorted({tuple(r[k] for k in facet_keys) for r in results}, key=lambda t: [(_num(v), v) for v in t])
+    colors = {v: f"C{i % 10}" for i, v in enumerate(values[hue])} if hue else {}
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "P"]
+    style_of = {v: i for i, v in enumerate(values[style])} if style else {}
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((tuple(r[k] for k in facet_keys), r[hue] if hue else "", r[style] if style else ""),
+                          []).append(r)
+
+    def label(h, st):
+        parts = ([f"{hue}={show(h)}"] if hue else []) + ([f"{style}={show(st)}"] if style else [])
+        return ", ".join(parts) or "runs"
+
+    def panels():
+        n = len(facets)
+        cols = min(n, 3)
+        rows_ = (n + cols - 1) // cols
+        fig, axes = plt.subplots(rows_, cols, figsize=(5.2 * cols + 3.2, 4.2 * rows_), squeeze=False)
+        for ax in axes.flat[n:]:
+            ax.set_visible(False)
+        return fig, list(axes.flat[:n])
+
+    def finish(fig, axes, name, title):
+        for ax, f in zip(axes, facets):
+            if facet_keys:
+                ax.set_title(", ".join(f"{k}={show(v)}" for k, v in zip(facet_keys, f)), fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+        seen = {}
+        for ax in axes:  # every panel: a group may appear in some panels only
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                seen.setdefault(lab, h)
+        seen = dict(sorted(seen.items()))
+        fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=8)
+        fig.suptitle(title, fontsize=11)
+        fig.tight_layout(rect=(0, 0, 1 - 3.0 / fig.get_figwidth(), 0.95))
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        return str(out / name)
 
     written = []
     for column, name, ylabel, log in (
         ("test_accuracy", "accuracy_vs_epoch.png", "test accuracy (mean over agents)", False),
         ("consensus_distance", "consensus_vs_epoch.png", "consensus distance", True),
     ):
-        fig, ax = plt.subplots(figsize=(9, 5.5))
-        for i, (label, (ep, mean, lo, hi, k)) in enumerate(sorted(curves(column).items())):
-            color = f"C{i % 10}"
-            ax.plot(ep, mean, color=color, label=f"{label} ({k} seed{'s' if k > 1 else ''})",
-                    linestyle="-" if i < 10 else "--")
-            ax.fill_between(ep, lo, hi, color=color, alpha=0.15)
-        if log:
-            ax.set_yscale("log")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="best")
-        ax.set_title(f"{ylabel} vs epoch: mean over seeds, band min-max")
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        written.append(str(out / name))
+        fig, axes = panels()
+        for (f, h, st), runs in sorted(groups.items()):
+            ax = axes[facets.index(f)]
+            series = [_read_csv(folder / r["run"] / "metrics.csv") for r in runs]
+            n = min(len(x) for x in series)
+            if n == 0:
+                continue
+            ep = np.array([_num(x["epoch"]) for x in series[0][:n]])
+            vals = np.array([[_num(x[column]) for x in srs[:n]] for srs in series])
+            color = colors.get(h, "C0")
+            ax.plot(ep, vals.mean(0), color=color, linestyle=styles[style_of.get(st, 0) % len(styles)],
+                    label=label(h, st))
+            ax.fill_between(ep, vals.min(0), vals.max(0), color=color, alpha=0.12)
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("epoch")
+            ax.set_ylabel(ylabel)
+        written.append(finish(fig, axes, name, f"{ylabel} vs epoch (mean over seeds, band: min-max)"))
 
     for xcol, name, xlabel, logx in (
-        ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂ of the mixing matrix", False),
+        ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂", False),
         ("bytes_sent_per_agent", "accuracy_vs_bytes.png", "bytes sent per agent (whole run)", True),
     ):
-        fig, ax = plt.subplots(figsize=(8, 5.5))
-        for i, (label, runs) in enumerate(sorted(groups.items())):
+        fig, axes = panels()
+        for (f, h, st), runs in sorted(groups.items()):
+            ax = axes[facets.index(f)]
             xs = np.array([_num(r[xcol]) for r in runs])
             ys = np.array([_num(r["test_accuracy"]) for r in runs])
             ax.errorbar(xs.mean(), ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
-                        fmt="o" if i < 10 else "s", color=f"C{i % 10}", capsize=3, label=label)
-        if logx:
-            ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("final test accuracy (mean over agents)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        ax.set_title("final accuracy: mean over seeds, bar min-max")
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        written.append(str(out / name))
+                        fmt=markers[style_of.get(st, 0) % len(markers)], color=colors.get(h, "C0"), capsize=3,
+                        label=label(h, st))
+            if logx:
+                ax.set_xscale("symlog", linthresh=1.0)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("final test accuracy (agents' mean)")
+        written.append(finish(fig, axes, name, f"final accuracy vs {xlabel} (mean over seeds, bar: min-max)"))
     return written
