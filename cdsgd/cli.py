@@ -163,8 +163,12 @@ def _cmd_run(args) -> int:
     summary = run_experiment(cfg, progress=False if args.no_progress else None)
     if cfg.executor == "torch" and os.environ.get("RANK", "0") != "0":
         return 0  # rank 0 reports for everyone
-    print(f"test accuracy {summary['test_accuracy']:.4f} (average model {summary['test_accuracy_avg_model']:.4f}), "
-          f"consensus distance {summary['consensus_distance']:.4g}, {summary['wall_seconds']:.1f} s; "
+    def num(key, fmt):  # NaN is stored as null in summary.json (e.g. a diverged run)
+        v = summary.get(key)
+        return "nan" if v is None else format(v, fmt)
+
+    print(f"test accuracy {num('test_accuracy', '.4f')} (average model {num('test_accuracy_avg_model', '.4f')}), "
+          f"consensus distance {num('consensus_distance', '.4g')}, {num('wall_seconds', '.1f')} s; "
           f"results in {summary['out']}")
     return 0
 

@@ -294,6 +294,10 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
 
         def on_row(row: dict) -> None:
             rows.append(row)
+            if not math.isfinite(row["train_loss"]) and not summary.get("diverged_at_step"):
+                summary["diverged_at_step"] = row["step"]
+                log(f"warning: the training loss is {row['train_loss']} at step {row['step']}: the run diverged "
+                    f"(lower lr={cfg.lr} or momentum={cfg.momentum})")
             if csv_writer is not None:
                 csv_writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
                 f.flush()

@@ -117,7 +117,8 @@ def plot_sweep(folder, out=None) -> list[str]:
     mean over seeds with a band from the lowest to the highest seed. To stay
     readable with many groups, the varying key with the most values sets the
     colour, the next one the line style / marker, and any further keys split
-    the figure into panels. Writes accuracy_vs_epoch.png,
+    the figure into panels; a key that varies only together with another
+    (a zip group) is shown through that one. Writes accuracy_vs_epoch.png,
     consensus_vs_epoch.png, accuracy_vs_spectral_gap.png and
     accuracy_vs_bytes.png.
     """
@@ -136,6 +137,13 @@ def plot_sweep(folder, out=None) -> list[str]:
         return Path(v).stem if "/" in v else v
 
     varying = [k for k in results[0] if k not in RESULT_COLUMNS]
+    # a key that only mirrors another (e.g. mixing zipped with topology) adds no information
+    for k in reversed(list(varying)):  # keep the first of two mirrored keys
+        for k2 in varying:
+            if k2 != k and len({(r[k], r[k2]) for r in results}) == len({r[k] for r in results}) == \
+                    len({r[k2] for r in results}):
+                varying.remove(k)
+                break
     values = {k: sorted({r[k] for r in results}, key=lambda v: (_num(v), v)) for k in varying}
     keys = sorted(varying, key=lambda k: -len(values[k]))
     hue = keys[0] if keys else None

@@ -167,3 +167,14 @@ def test_end_to_end_fashion_mnist(tmp_path):
     assert len(rows) == 3
     assert summary["test_accuracy"] > 0.75, summary
     assert summary["test_accuracy_avg_model"] > 0.75, summary
+
+
+def test_diverged_run_still_reports(tmp_path):
+    """A run whose loss becomes NaN finishes, says it diverged, and the CLI prints nan (no crash)."""
+    out = tmp_path / "div"
+    r = subprocess.run([sys.executable, "-m", "cdsgd", "run", *SMALL, "model=mlp", "lr=1e10", "algorithm=local", f"out={out}",
+                        "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "the run diverged" in r.stderr and "consensus distance nan" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["diverged_at_step"] >= 1 and summary["train_loss"] is None

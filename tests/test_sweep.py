@@ -151,7 +151,7 @@ n_agents = [6]
     assert "power of two" in (out / "topology=hypercube,n_agents=6" / "run.log").read_text()
 
 
-@pytest.mark.parametrize("name,count", [("topology.toml", 78), ("paper_claims.toml", 14)])
+@pytest.mark.parametrize("name,count", [("topology.toml", 78), ("paper_claims.toml", 16)])
 def test_shipped_studies_expand_and_validate(tmp_path, monkeypatch, name, count):
     import pathlib
 
