@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from topologies import unknown_name_error
 
-__all__ = ["Config", "load_config", "dump_config", "parse_override", "config_keys"]
+__all__ = ["Config", "load_config", "dump_config", "parse_override", "config_keys", "short_value"]
 
 
 @dataclass
@@ -92,6 +92,19 @@ class Config:
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
 _PY = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict}
+
+
+def short_value(v) -> str:
+    """A config value as shown in folder names, tables and legends: a graph file by its stem.
+
+    >>> short_value("experiments/topologies/paper_ring5.edgelist"), short_value(0.5)
+    ('paper_ring5', '0.5')
+    """
+    from pathlib import Path
+
+    from topologies import is_graph_file
+
+    return Path(v).stem if isinstance(v, str) and is_graph_file(v) else str(v)
 
 
 def config_keys() -> list[str]:

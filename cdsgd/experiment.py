@@ -39,7 +39,7 @@ import topologies
 
 from . import __version__
 from .algorithms import ALGORITHMS, algorithm_params
-from .config import Config, dump_config
+from .config import Config, dump_config, short_value
 from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip
 from .models import MODELS, build_model
 from .seeding import generator
@@ -127,7 +127,7 @@ def prepare(cfg: Config) -> dict:
 
 def default_out(cfg: Config) -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    topo = Path(cfg.topology).stem if topologies.is_graph_file(cfg.topology) else cfg.topology
+    topo = short_value(cfg.topology)
     return os.path.join("runs", f"{cfg.algorithm}-{topo}-{cfg.dataset}-{stamp}")
 
 

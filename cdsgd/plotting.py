@@ -133,8 +133,7 @@ def plot_sweep(folder, out=None) -> list[str]:
     if not results:
         raise ValueError(f"{folder / 'results.csv'} lists no completed run")
 
-    def show(v: str) -> str:
-        return Path(v).stem if "/" in v else v
+    from .config import short_value as show
 
     varying = [k for k in results[0] if k not in RESULT_COLUMNS]
     # a key that only mirrors another (e.g. mixing zipped with topology) adds no information

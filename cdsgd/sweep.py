@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .config import Config, _toml_value, dump_config, load_config
+from .config import Config, _toml_value, dump_config, load_config, short_value
 from .experiment import validate_config
 
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
@@ -85,8 +85,7 @@ def run_identity(cfg: Config) -> str:
 def _folder_name(varying: dict) -> str:
     parts = []
     for k, v in varying.items():
-        text = Path(v).stem if isinstance(v, str) and ("/" in v or os.sep in v) else str(v)
-        parts.append(f"{k}={text}")
+        parts.append(f"{k}={short_value(v)}")
     name = re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(parts)) or "run"
     if len(name) > 150:  # keep it readable and stable: truncate, then disambiguate
         name = name[:130] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
@@ -303,11 +302,11 @@ def group_table(out: str | os.PathLike) -> str:
     cols = [("test_accuracy", "test acc (agents)", ".3f"), ("test_accuracy_avg_model", "test acc (avg model)", ".3f"),
             ("consensus_distance", "consensus dist.", ".3g"), ("train_loss", "train loss", ".3f"),
             ("test_loss", "test loss", ".3f")]
-    head = [*(Path(k).stem if "/" in k else k for k in varying), "seeds", "spectral gap", *(c[1] for c in cols),
+    head = [*varying, "seeds", "spectral gap", *(c[1] for c in cols),
             "MB sent/agent"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(varying) + [" ---: "] * (len(head) - len(varying))) + "|"]
     for key, runs in groups.items():
-        cells = [Path(v).stem if "/" in v else v for v in key]
+        cells = [short_value(v) for v in key]
         cells += [str(len(runs)), f"{float(runs[0]['spectral_gap']):.3f}"]
         cells += [stat(runs, c, fmt) for c, _, fmt in cols]
         cells += [f"{float(runs[0]['bytes_sent_per_agent']) / 1e6:.1f}"]

@@ -22,7 +22,8 @@ def test_topologies_does_not_import_torch():
 @pytest.mark.parametrize(
     "module",
     ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
-     "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator"],
+     "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator", "cdsgd.config",
+     "cdsgd.data.partition", "cdsgd.data.datasets"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -25,7 +25,7 @@ for ``iid``) cover the whole set.
 
 >>> import numpy as np
 >>> labels = np.repeat(np.arange(10), 5)
->>> [sorted(set(labels[s])) for s in partition(labels, 5, "classes")][:2]
+>>> [sorted(set(labels[s].tolist())) for s in partition(labels, 5, "classes")][:2]
 [[0, 1], [2, 3]]
 """
 
