@@ -29,7 +29,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -195,8 +194,6 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
 
 
 def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None]) -> dict:
-    import datetime as _dt
-
     import torch.distributed as dist
 
     from .runtime import DistReducer, NeighbourMixer, check_agreement
@@ -218,7 +215,7 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         backend = "gloo"
     if cfg.exact:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, timeout=_dt.timedelta(seconds=cfg.comm_timeout))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm_timeout))
     try:
         rank = dist.get_rank()
         decided: list = [None]
@@ -247,7 +244,7 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         # leave together: a rank tearing its connections down while a peer still reads
         # from them would fail that peer's last collective
         if backend == "gloo":
-            dist.monitored_barrier(timeout=_dt.timedelta(seconds=cfg.comm_timeout))
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=cfg.comm_timeout))
         else:
             dist.barrier()
         return summary

@@ -409,7 +409,7 @@ def test_digits():
     from sklearn.datasets import load_digits
 
     ds = D.load_dataset("digits")
-    (x, y), (xt, yt) = ds.train, ds.test
+    (x, _), (xt, yt) = ds.train, ds.test
     assert ds.n_classes == 10 and ds.input_shape == (1, 8, 8)
     assert x.shape == (1437, 1, 8, 8) and xt.shape == (360, 1, 8, 8)
     # Stratified: each class's test share is within one sample of 360/1797 of its size.
