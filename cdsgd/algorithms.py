@@ -105,7 +105,7 @@ def check_weight_decay(wd: Any) -> float:
     return wd
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
+def check_int(name: str, value: Any, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -297,14 +297,15 @@ class FedAvgAlgorithm(Algorithm):
         super().__init__(**common)
         if local_steps is not None and local_epochs is not None:
             raise ValueError(f"give local_steps or local_epochs, not both (got {local_steps} and {local_epochs})")
-        self.local_steps = None if local_steps is None else _check_int("local_steps", local_steps, 1)
-        self.local_epochs = None if local_epochs is None else _check_int("local_epochs", local_epochs, 1)
+        self.local_steps = None if local_steps is None else check_int("local_steps", local_steps, 1)
+        self.local_epochs = None if local_epochs is None else check_int("local_epochs", local_epochs, 1)
         if local_steps is None and local_epochs is None:
             self.local_epochs = 1  # the paper's FedAvg: one local epoch per round
         fraction = _number("fedavg_fraction", fedavg_fraction)
         if not 0 < fraction <= 1:
             raise ValueError(f"fedavg_fraction must be in (0, 1], got {fedavg_fraction!r}")
         self.fraction = fraction
+        self._round_mask: tuple[int | None, torch.Tensor | None] = (None, None)  # (round, participants)
 
     @property
     def round_length(self) -> int:
@@ -314,11 +315,13 @@ class FedAvgAlgorithm(Algorithm):
         if self.fraction == 1.0:
             return None
         r = k // self.round_length
-        g = torch.Generator().manual_seed(derive_seed(self.seed, "fedavg", r))
-        m = max(1, round(self.fraction * self.n_agents))
-        mask = torch.zeros(self.n_agents, dtype=torch.bool)
-        mask[torch.randperm(self.n_agents, generator=g)[:m]] = True
-        return mask
+        if self._round_mask[0] != r:  # drawn once per round, asked for by the executor and by update
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "fedavg", r))
+            m = max(1, round(self.fraction * self.n_agents))
+            mask = torch.zeros(self.n_agents, dtype=torch.bool)
+            mask[torch.randperm(self.n_agents, generator=g)[:m]] = True
+            self._round_mask = (r, mask)
+        return self._round_mask[1]
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
         G = with_weight_decay(G, X, self.weight_decay)

@@ -66,8 +66,7 @@ def _wait(work, timeout: float, what: str) -> None:
 class _NeighbourHandle(Handle):
     def __init__(self, mixer: "NeighbourMixer", works, peers, x, bufs, out, shape) -> None:
         self.mixer, self.works, self.peers = mixer, works, peers
-        self.x, self.bufs_matrix, self.out, self.shape = x, bufs, out, shape
-        self.bufs = list(bufs)
+        self.x, (self.bufs_matrix, self.bufs), self.out, self.shape = x, bufs, out, shape
         self._done = False
 
     def wait(self) -> torch.Tensor:
@@ -129,11 +128,12 @@ class NeighbourMixer(Mixer):
             raise ValueError("NeighbourMixer needs a contiguous parameter vector")
         return X
 
-    def _bufs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The receive buffers (one row per neighbour of a degree×P matrix) and the output."""
+    def _bufs(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], torch.Tensor]:
+        """The receive buffers (a degree×P matrix and its rows, one per neighbour) and the output."""
         key = (x.numel(), x.dtype, x.device)
         if key not in self._buffers:
-            self._buffers[key] = (x.new_empty((len(self.neighbours), x.numel())), torch.empty_like(x))
+            recv = x.new_empty((len(self.neighbours), x.numel()))
+            self._buffers[key] = ((recv, list(recv)), torch.empty_like(x))
         return self._buffers[key]
 
     def _wvec(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ class NeighbourMixer(Mixer):
         x = self._flat(X)
         bufs, out = self._bufs(x)
         ops = [dist.P2POp(dist.isend, x, peer, self.group) for peer in self.neighbours]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in zip(self.neighbours, bufs)]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in zip(self.neighbours, bufs[1])]
         peers = [("send", p) for p in self.neighbours] + [("recv", p) for p in self.neighbours]
         try:
             works = dist.batch_isend_irecv(ops) if ops else []

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from .algorithms import Algorithm, algorithm_params, make_algorithm
+from .algorithms import Algorithm, algorithm_params, check_int, make_algorithm
 from .mixing import MatrixMixer, Mixer
 from .models import has_convolutions, vmap_blockers
 from .seeding import derive_seed, generator
@@ -179,12 +179,6 @@ class SimulationResult:
     #: final N×P parameters
     params: torch.Tensor
     simulator: "Simulator" = field(repr=False)
-
-
-def _check_positive_int(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 class _AgentRNG:
@@ -299,17 +293,17 @@ class Simulator:
                 raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
             if len(shard[0]) != len(shard[1]):
                 raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
-        self.batch_size = _check_positive_int("batch_size", batch_size)
-        self.seed = _check_positive_int("seed", seed, 0)
+        self.batch_size = check_int("batch_size", batch_size)
+        self.seed = check_int("seed", seed, 0)
         if init not in INITS:
             raise ValueError(f"init {init!r} is unknown; allowed: {', '.join(INITS)}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
-        self.eval_batch_size = _check_positive_int("eval_batch_size", eval_batch_size)
+        self.eval_batch_size = check_int("eval_batch_size", eval_batch_size)
         if eval_agents is not None:
-            _check_positive_int("eval_agents", eval_agents)
+            check_int("eval_agents", eval_agents)
         if eval_samples is not None:
-            _check_positive_int("eval_samples", eval_samples)
+            check_int("eval_samples", eval_samples)
         self.agents = list(range(n)) if agents is None else [int(j) for j in agents]
         if not self.agents or any(not 0 <= j < n for j in self.agents) or len(set(self.agents)) != len(self.agents):
             raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {agents!r}")
@@ -595,10 +589,10 @@ class Simulator:
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs and steps")
-        total = round(epochs * self.steps_per_epoch) if steps is None else _check_positive_int("steps", steps)
+        total = round(epochs * self.steps_per_epoch) if steps is None else check_int("steps", steps)
         if epochs is not None and (not epochs > 0 or total < 1):
             raise ValueError(f"epochs must be > 0 (at least one step), got {epochs!r}")
-        every = self.steps_per_epoch if eval_every is None else _check_positive_int("eval_every", eval_every)
+        every = self.steps_per_epoch if eval_every is None else check_int("eval_every", eval_every)
         rows = []
         end = self.k + total
         while self.k < end:
