@@ -83,6 +83,10 @@ class Config:
     out: str = ""  # output folder ("": runs/<algorithm>-<topology>-<dataset>-<time>)
     overwrite: bool = False  # allow writing into an existing non-empty output folder
     save_params: bool = False  # also write params.pt: the final N×P parameters (torch.save)
+    # --- reliability (docs/reliability.md)
+    checkpoint_every: float = 0.0  # write a checkpoint every this many checkpoint_units (0: never)
+    checkpoint_unit: str = "epochs"  # epochs (fractions allowed) | steps
+    resume: bool = False  # continue from the latest complete checkpoint in out (fresh start if none)
 
     def identity(self) -> dict:
         """The keys that identify a run in summaries."""

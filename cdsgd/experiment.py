@@ -37,17 +37,24 @@ import torch
 import topologies
 
 from . import __version__
+from . import checkpoint as ckpt
 from .algorithms import ALGORITHMS, algorithm_params
-from .config import Config, dump_config, short_value
+from .config import Config, dump_config, load_config, short_value
 from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip
 from .models import MODELS, build_model
 from .seeding import generator
 from .simulator import METRIC_COLUMNS, STRATEGIES, INITS, Simulator
 
-__all__ = ["run_experiment", "prepare", "EXECUTORS", "default_out"]
+__all__ = ["run_experiment", "prepare", "EXECUTORS", "CHECKPOINT_UNITS", "Terminated", "default_out"]
 
 #: executors ``cdsgd run`` knows (the distributed runtime adds "torch")
 EXECUTORS = ("sim", "torch")
+#: units of ``checkpoint_every``
+CHECKPOINT_UNITS = ("epochs", "steps")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (the CLI turns it into this): the run stops as on Ctrl-C, its files complete."""
 
 
 def _choice(key: str, value: str, allowed) -> None:
@@ -79,6 +86,12 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"dirichlet_alpha must be > 0, got {cfg.dirichlet_alpha}")
     if not cfg.comm_timeout > 0:
         raise ValueError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+    _choice("checkpoint_unit", cfg.checkpoint_unit, CHECKPOINT_UNITS)
+    if cfg.checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
+    if cfg.checkpoint_unit == "steps" and cfg.checkpoint_every != int(cfg.checkpoint_every):
+        raise ValueError(f"checkpoint_every must be a whole number of steps with checkpoint_unit='steps', "
+                         f"got {cfg.checkpoint_every}")
     _choice("device", cfg.device, ("cpu", "cuda"))
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
@@ -130,14 +143,63 @@ def default_out(cfg: Config) -> str:
     return os.path.join("runs", f"{cfg.algorithm}-{topo}-{cfg.dataset}-{stamp}")
 
 
-def _prepare_out(cfg: Config) -> Path:
+def _prepare_out(cfg: Config, *, resume: bool = False) -> Path:
+    """The output folder, made. Resuming, it may hold files, but only of a run with the same config."""
     out = Path(cfg.out or default_out(cfg))
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {str(out)!r} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
-        raise ValueError(f"output folder {str(out)!r} is not empty; choose another out= or set overwrite=true")
+    if resume and (out / "config.toml").is_file():
+        try:
+            there = load_config(out / "config.toml")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot resume into {str(out)!r}: its config.toml does not load ({e})") from None
+        diff = ckpt.config_mismatch(ckpt.config_for_checkpoint(there.__dict__),
+                                    ckpt.config_for_checkpoint(cfg.__dict__))
+        if diff:
+            raise ValueError(f"cannot resume into {str(out)!r}: it holds a run with another config ({diff})")
+    elif out.is_dir() and any(out.iterdir()) and not cfg.overwrite and not resume:
+        raise ValueError(f"output folder {str(out)!r} is not empty; choose another out=, set overwrite=true, "
+                         "or resume=true to continue the run there")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _checkpoint_steps(cfg: Config, steps_per_epoch: int) -> int:
+    """Steps between checkpoints (0: none)."""
+    if not cfg.checkpoint_every:
+        return 0
+    if cfg.checkpoint_unit == "steps":
+        return int(cfg.checkpoint_every)
+    return max(1, round(cfg.checkpoint_every * steps_per_epoch))
+
+
+def _find_checkpoint(cfg: Config, out: Path, *, rank: int = 0, world: int = 1, agree=None,
+                     log: Callable[[str], None]) -> dict | None:
+    """The payload of the latest checkpoint every rank holds, loaded and checked; None if there is none.
+
+    ``agree(mine) -> list`` exchanges a value between ranks (the runtime's
+    all-gather); the simulator is one rank on its own.
+    """
+    agree = agree or (lambda mine: [mine])
+    steps = agree(ckpt.steps_on_disk(out, rank))
+    common = set(steps[0]).intersection(*map(set, steps[1:]))
+    if not common:
+        held = {r: s[-1] for r, s in enumerate(steps) if s}
+        log(f"resume: no checkpoint held by all {world} rank(s) in {out / 'checkpoints'}"
+            + (f" (latest per rank: {held})" if held else "") + "; starting from step 0")
+        return None
+    step = max(common)
+    path = ckpt.checkpoint_path(out, step, rank)
+    try:
+        payload, problem = ckpt.load(path, config=ckpt.config_for_checkpoint(cfg.__dict__), world=world,
+                                     rank=rank), None
+    except ValueError as e:
+        payload, problem = None, str(e)
+    problems = [p for p in agree(problem) if p]
+    if problems:  # every rank stops, with the first problem found
+        raise ValueError(problems[0])
+    log(f"resume: continuing from the checkpoint of step {step} ({path.parent})")
+    return payload
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -184,19 +246,24 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
     validate_config(cfg)
     if cfg.executor == "torch":
         return _run_distributed(cfg, progress=progress, log=log)
-    out = _prepare_out(cfg)
+    out = _prepare_out(cfg, resume=cfg.resume)
     cfg = Config(**{**cfg.__dict__, "out": str(out)})
     if cfg.exact:
         torch.set_num_threads(1)  # as each torchrun worker: identical rounding in both executors
     parts = prepare(cfg)
     sim = _make_executor(cfg, parts)
-    return _drive(cfg, sim, parts, out, writer=True, progress=progress, log=log)
+    if cfg.resume:
+        payload = _find_checkpoint(cfg, out, log=log)
+    else:
+        payload = None
+        ckpt.remove_all(out)  # an earlier run's checkpoints (overwrite=true) must never be resumed into this one
+    return _drive(cfg, sim, parts, out, writer=True, progress=progress, log=log, resume=payload)
 
 
 def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None]) -> dict:
     import torch.distributed as dist
 
-    from .runtime import DistReducer, NeighbourMixer, check_agreement
+    from .runtime import CommError, DistReducer, NeighbourMixer, check_agreement
 
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
@@ -215,13 +282,24 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         backend = "gloo"
     if cfg.exact:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.comm_timeout))
+    _die_with_parent()
+    attempt = _init_group(backend, cfg.comm_timeout)
+    rank = dist.get_rank()
     try:
-        rank = dist.get_rank()
+        if rank != 0:
+            log = lambda msg: None  # noqa: E731 - only rank 0 talks
+            progress = False
+        attempts: list = [None] * world
+        dist.all_gather_object(attempts, attempt)
+        restarted = max(attempts) > 0  # only the restarted node's agent may count restarts: ask everyone
+        resume = cfg.resume or restarted
+        if restarted:
+            log(f"cdsgd run: attempt {max(attempts) + 1} after a restart: resuming from the latest complete "
+                "checkpoint" + ("" if cfg.checkpoint_every else " (checkpoint_every=0: none, so from step 0)"))
         decided: list = [None]
         if rank == 0:
             try:
-                decided[0] = ("ok", str(_prepare_out(cfg)))
+                decided[0] = ("ok", str(_prepare_out(cfg, resume=resume)))
             except ValueError as e:
                 decided[0] = ("error", str(e))
         dist.broadcast_object_list(decided, src=0)
@@ -235,12 +313,21 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         mixer = NeighbourMixer(parts["W"], rank, timeout=cfg.comm_timeout, exact=cfg.exact)
         reducer = DistReducer(device=device, timeout=cfg.comm_timeout)
         sim = _make_executor(cfg, parts, mixer=mixer, agents=[rank], reducer=reducer)
+        if not resume:
+            ckpt.remove_all(out)  # before the agreement below: no rank has written a checkpoint of this run yet
+        # "resume" differs between a first attempt and a restart: compare the config without it
         check_agreement({"mixing matrix": parts["W"], "n_agents": cfg.n_agents, "world size": world,
-                         "parameter count": sim.layout.numel, "config": dump_config(cfg)})
-        if rank != 0:
-            log = lambda msg: None  # noqa: E731 - only rank 0 talks
-            progress = False
-        summary = _drive(cfg, sim, parts, out, writer=rank == 0, progress=progress, log=log)
+                         "parameter count": sim.layout.numel,
+                         "config": dump_config(Config(**{**cfg.__dict__, "resume": False}))})
+
+        def everyone(mine):
+            got: list = [None] * world
+            dist.all_gather_object(got, mine)
+            return got
+
+        payload = _find_checkpoint(cfg, out, rank=rank, world=world, agree=everyone, log=log) if resume else None
+        summary = _drive(cfg, sim, parts, out, writer=rank == 0, progress=progress, log=log, resume=payload,
+                         rank=rank, world=world)
         # leave together: a rank tearing its connections down while a peer still reads
         # from them would fail that peer's last collective
         if backend == "gloo":
@@ -248,14 +335,100 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         else:
             dist.barrier()
         return summary
+    except CommError as e:
+        raise CommError(_name_the_lost(e, rank), e.peer) from None
     finally:
         dist.destroy_process_group()
 
 
+_STORE = None  # this process's rendezvous store (the runtime reports lost ranks through it)
+
+
+def _init_group(backend: str, comm_timeout: float) -> int:
+    """Join the process group; return this process's attempt number (0 on the first start).
+
+    Under torchrun the workers use the agent's TCPStore, which outlives a
+    restart: the keys of the failed attempt are still in it, and joining the
+    group again under the same names hangs (pytorch issue 135712). So each
+    start counts itself in the store and joins under a prefix of its own
+    attempt. TORCHELASTIC_RESTART_COUNT counts restarts too, but only on the
+    node whose agent restarted (the caller asks every rank).
+    """
+    global _STORE
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=comm_timeout)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        attempt = store.add(f"cdsgd/starts/rank{rank}", 1) - 1
+        _STORE = dist.PrefixStore(f"cdsgd/attempt{attempt}", store)
+        dist.init_process_group(backend, store=_STORE, rank=rank, world_size=world, timeout=timeout)
+        return max(attempt, restarts)
+    dist.init_process_group(backend, timeout=timeout)
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _STORE = _get_default_store()
+    except Exception:  # noqa: BLE001 - naming a lost rank is a courtesy, not a requirement
+        _STORE = None
+    return restarts
+
+
+def _name_the_lost(e: Exception, rank: int) -> str:
+    """The error message with the rank that was lost: seen by this rank, or reported by another through the store.
+
+    The first rank to see a neighbour die (its connection closes at once)
+    records it; ranks that only time out later (e.g. at an evaluation) read it.
+    """
+    store, lost, seen_by = _STORE, getattr(e, "peer", None), rank
+    try:
+        if lost is not None and store is not None:
+            if store.add("cdsgd/lost/ticket", 1) == 1:  # the first report wins: later ones may be knock-on failures
+                store.set("cdsgd/lost/rank", f"{lost} {rank}")
+        if store is not None and store.check(["cdsgd/lost/rank"]):
+            lost, seen_by = map(int, store.get("cdsgd/lost/rank").decode().split())
+    except Exception:  # noqa: BLE001 - the store may be gone with the node that held it
+        pass
+    if lost is None:
+        return f"rank {rank}: {e}"
+    who = "" if seen_by == rank else f", reported by rank {seen_by}"
+    return f"rank {rank}: lost rank {lost}{who}: {e}"
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the launcher dies, so that a killed launcher leaves no worker behind."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() == 1:  # the launcher died before prctl: nobody will stop this worker
+            raise Terminated()
+    except (OSError, AttributeError):
+        pass
+
+
+def _csv_row(row: dict) -> dict:
+    return {k: repr(v) if isinstance(v, float) else v for k, v in row.items()}
+
+
 def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool, progress: bool,
-           log: Callable[[str], None]) -> dict:
-    """Run the executor; the writer writes config.toml, metrics.csv, summary.json (and params.pt)."""
+           log: Callable[[str], None], resume: dict | None = None, rank: int = 0, world: int = 1) -> dict:
+    """Run the executor; the writer writes config.toml, metrics.csv, summary.json (and params.pt).
+
+    Every process writes its own checkpoints (``checkpoint_every``).
+    ``resume``: a checkpoint payload to continue from; its metrics rows are
+    written again, and the run goes on from its step.
+    """
     total = max(1, round(cfg.epochs * sim.steps_per_epoch))
+    every = _checkpoint_steps(cfg, sim.steps_per_epoch)
     gap = parts["spectral_gap"]
     summary = {
         "status": "running",
@@ -270,24 +443,35 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
         "torch_version": torch.__version__,
         "cdsgd_version": __version__,
     }
+    rows: list[dict] = []
+    if resume is not None:
+        sim.load_state_dict(resume["simulator"])
+        if sim.k > total:
+            raise ValueError(f"the checkpoint is of step {sim.k}, beyond this run's {total} steps")
+        rows = [dict(r) for r in resume["rows"]]
+        if resume.get("diverged_at_step"):
+            summary["diverged_at_step"] = resume["diverged_at_step"]
+        summary["resumed_from_step"] = sim.k
     if writer:
         _atomic_write(out / "config.toml", dump_config(cfg))
     log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {gap.gap:.4f}), "
         f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
-        f"{total} steps, executor {cfg.executor}, output {out}")
-    rows: list[dict] = []
+        f"{total} steps, executor {cfg.executor}, output {out}"
+        + (f", checkpoint every {every} steps" if every else ""))
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=total, initial=sim.k, unit="step", file=sys.stderr, dynamic_ncols=True)
     f = open(out / "metrics.csv", "w", newline="") if writer else None
     try:
         csv_writer = None
         if f is not None:
             csv_writer = csv.DictWriter(f, fieldnames=list(METRIC_COLUMNS))
             csv_writer.writeheader()
+            csv_writer.writerows(_csv_row(r) for r in rows)  # a resumed run's rows up to its checkpoint
             f.flush()
+            os.fsync(f.fileno())
 
         def on_row(row: dict) -> None:
             rows.append(row)
@@ -296,7 +480,7 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
                 log(f"warning: the training loss is {row['train_loss']} at step {row['step']}: the run diverged "
                     f"(lower lr={cfg.lr} or momentum={cfg.momentum})")
             if csv_writer is not None:
-                csv_writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+                csv_writer.writerow(_csv_row(row))
                 f.flush()
                 os.fsync(f.fileno())
             if bar is not None:
@@ -306,9 +490,20 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
                     f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
                     f"consensus {row['consensus_distance']:.3g}")
 
+        def after_step(k: int) -> None:
+            if not every or k % every:
+                return
+            state = {"config": ckpt.config_for_checkpoint(cfg.__dict__), "world": world,
+                     "simulator": sim.state_dict(), "rows": rows,
+                     "diverged_at_step": summary.get("diverged_at_step")}
+            ckpt.save(out, k, rank, state)
+            sim.reducer.barrier(f"checkpoint of step {k} (waiting for every rank to write its file)")
+            ckpt.prune(out, rank, keep=k)  # step k is complete on every rank: older ones are not needed
+
         try:
-            sim.run(steps=total, eval_every=cfg.eval_every * sim.steps_per_epoch, callback=on_row,
-                    progress=(lambda k: bar.update(1)) if bar is not None else None)
+            if total > sim.k:
+                sim.run(steps=total - sim.k, eval_every=cfg.eval_every * sim.steps_per_epoch, callback=on_row,
+                        progress=(lambda k: bar.update(1)) if bar is not None else None, after_step=after_step)
             if cfg.save_params:
                 params = sim.reducer.gather(sim.X)
                 if writer:
@@ -316,8 +511,13 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
                     torch.save(params.cpu(), tmp)
                     os.replace(tmp, out / "params.pt")
             summary["status"] = "completed"
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             summary["status"] = "interrupted"
+            summary["error"] = "SIGTERM" if isinstance(e, Terminated) else "SIGINT (Ctrl-C)"
+            raise
+        except Exception as e:
+            summary["status"] = "failed"
+            summary["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise
         finally:
             if bar is not None:

@@ -44,23 +44,32 @@ __all__ = ["NeighbourMixer", "DistReducer", "check_agreement", "CommError"]
 
 
 class CommError(RuntimeError):
-    """A neighbour or collective did not answer in time, or its connection broke."""
+    """A neighbour or collective did not answer in time, or its connection broke.
+
+    ``peer`` is the rank that did not answer when one is known (a neighbour
+    exchange names it), else None (a collective, or a batch that failed as
+    it was posted).
+    """
+
+    def __init__(self, msg: str, peer: int | None = None) -> None:
+        super().__init__(msg)
+        self.peer = peer
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
-def _wait(work, timeout: float, what: str) -> None:
+def _wait(work, timeout: float, what: str, peer: int | None = None) -> None:
     try:
         ok = work.wait(_timedelta(timeout))
     except RuntimeError as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "timed out" in msg.lower() or "timeout" in msg.lower():
-            raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s ({msg})") from None
-        raise CommError(f"{what} failed: {msg}") from None
+            raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s ({msg})", peer) from None
+        raise CommError(f"{what} failed: {msg}", peer) from None
     if ok is False:
-        raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s")
+        raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s", peer)
 
 
 class _NeighbourHandle(Handle):
@@ -74,7 +83,7 @@ class _NeighbourHandle(Handle):
             m = self.mixer
             for (kind, peer), work in zip(self.peers, self.works):
                 verb = "receiving parameters from" if kind == "recv" else "sending parameters to"
-                _wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}")
+                _wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}", peer)
             if m.exact or not self.bufs:
                 ordered_weighted_sum(m.weights, [self.x, *self.bufs], self.out)
             else:  # one fused pass: π_jj·x_j + R^T w over the stacked receive buffers
@@ -184,6 +193,11 @@ class DistReducer(Reducer):
         n = dist.get_world_size(self.group)
         self.bytes += allreduce_bytes(n, buf.numel(), buf.element_size())
         return buf.to(t.device)
+
+    def barrier(self, what: str) -> None:
+        """Every rank reached this point (a 1-element all-reduce with the timeout; not counted as traffic)."""
+        work = dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True)
+        _wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: {what}")
 
     def gather(self, X: torch.Tensor) -> torch.Tensor:
         """Every rank's 1×P row, stacked in rank order (an all-gather; evaluation traffic)."""

@@ -157,6 +157,17 @@ class BatchStream:
         self._perm = torch.randperm(n, generator=gen)
         self._pos = 0
 
+    def state_dict(self) -> dict:
+        """The position in the stream: the current permutation, the place in it, the generator state."""
+        return {"perm": self._perm.clone(), "pos": self._pos, "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        perm = state["perm"]
+        if perm.shape != (self.n,) or not 0 <= int(state["pos"]) <= self.n:
+            raise ValueError(f"data stream state is for a shard of {perm.numel()} samples, not {self.n}")
+        self._perm, self._pos = perm.clone(), int(state["pos"])
+        self.gen.set_state(state["gen"])
+
     def next(self) -> torch.Tensor:
         parts, need = [], self.batch_size
         while need:
@@ -194,6 +205,14 @@ class _AgentRNG:
             self.states.append(self._get())
         self._set(saved)
 
+    def state_dict(self) -> list[torch.Tensor]:
+        return [s.clone() for s in self.states]
+
+    def load_state_dict(self, states: list[torch.Tensor]) -> None:
+        if len(states) != len(self.states):
+            raise ValueError(f"random streams of {len(states)} agents, but this executor holds {len(self.states)}")
+        self.states = [s.clone() for s in states]
+
     def _get(self):
         return torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
 
@@ -225,6 +244,9 @@ class Reducer:
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def barrier(self, what: str) -> None:
+        """Return once every process holding agents has called it (here: at once); not counted as traffic."""
 
     def gather(self, X: torch.Tensor) -> torch.Tensor:
         """All agents' rows as one N×P stack (here: the stack itself)."""
@@ -580,12 +602,16 @@ class Simulator:
     # -------------------------------------------------------------------- run
 
     def run(self, *, epochs: float | None = None, steps: int | None = None, eval_every: int | None = None,
-            callback: Callable[[dict], None] | None = None, progress: Callable[[int], None] | None = None
-            ) -> list[dict]:
+            callback: Callable[[dict], None] | None = None, progress: Callable[[int], None] | None = None,
+            after_step: Callable[[int], None] | None = None) -> list[dict]:
         """Run ``epochs`` epochs (or ``steps`` steps), evaluating every ``eval_every`` steps.
 
         ``eval_every`` defaults to one epoch; the last step is always evaluated.
-        ``callback(row)`` receives each metrics row as it is made, ``progress(k)`` each step.
+        Evaluations fall on the steps k (counted from the very start, also
+        after :meth:`load_state_dict`) with k % eval_every == 0.
+        ``callback(row)`` receives each metrics row as it is made, ``progress(k)``
+        each step, ``after_step(k)`` each step after its evaluation (the place
+        for checkpoints: the state then includes the row).
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs and steps")
@@ -604,7 +630,68 @@ class Simulator:
                 rows.append(row)
                 if callback is not None:
                     callback(row)
+            if after_step is not None:
+                after_step(self.k)
         return rows
+
+    # ------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict:
+        """Everything that decides the rest of the run, for the agents held here.
+
+        Parameters, the algorithm's state (momentum), the step counter, the
+        train-loss window, the wall clock, each agent's data order (permutation,
+        position, generator), augmentation and dropout streams, and the bytes
+        counted so far. Only tensors, numbers, strings, lists and dicts: it
+        loads with ``torch.load(weights_only=True)``. Restoring it into a
+        Simulator built with the same arguments (:meth:`load_state_dict`)
+        continues bit for bit as if it had never stopped.
+        """
+        return {
+            "k": self.k,
+            "agents": list(self.agents),
+            "n_agents": self.n_agents,
+            "numel": self.layout.numel,
+            "X": self.X.detach().cpu().clone(),
+            "algorithm": self.algorithm.name,
+            "algorithm_state": {name: t.detach().cpu().clone() for name, t in self.state.items()},
+            "loss_sum": self._loss_sum,
+            "loss_count": self._loss_count,
+            "wall": self._wall,
+            "streams": [s.state_dict() for s in self.streams],
+            "augment": [g.get_state() for g in self._augment_gens] if self._augment_gens else [],
+            "rng": [s.cpu() for s in self.rng.state_dict()],
+            "bytes_sent": self.mixer.bytes_sent.clone(),
+            "eval_bytes": float(self.reducer.bytes),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` of an executor built the same way; mismatches are ValueErrors."""
+        expect = {"agents": list(self.agents), "n_agents": self.n_agents, "numel": self.layout.numel,
+                  "algorithm": self.algorithm.name}
+        for key, want in expect.items():
+            if state.get(key) != want:
+                raise ValueError(f"checkpoint state has {key} = {state.get(key)!r}, this run has {want!r}")
+        if tuple(state["X"].shape) != tuple(self.X.shape):
+            raise ValueError(f"checkpoint parameters have shape {tuple(state['X'].shape)}, "
+                             f"this run {tuple(self.X.shape)}")
+        if sorted(state["algorithm_state"]) != sorted(self.state):
+            raise ValueError(f"checkpoint algorithm state holds {sorted(state['algorithm_state'])}, "
+                             f"this run {sorted(self.state)}")
+        with torch.no_grad():
+            self.X.copy_(state["X"])  # in place: the loop strategy's modules are views of X
+            for name, t in state["algorithm_state"].items():
+                self.state[name].copy_(t)
+        for stream, s in zip(self.streams, state["streams"], strict=True):
+            stream.load_state_dict(s)
+        for g, s in zip(self._augment_gens or [], state["augment"], strict=True):
+            g.set_state(s)
+        self.rng.load_state_dict([s.to(self.rng.states[0].device) for s in state["rng"]])
+        self.mixer.bytes_sent.copy_(state["bytes_sent"])
+        self.reducer.bytes = float(state["eval_bytes"])
+        self.k = int(state["k"])
+        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
+        self._wall = float(state["wall"])
 
     def agent_model(self, j: int) -> nn.Module:
         """Agent j's module holding its current parameters (j must be held here)."""

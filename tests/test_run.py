@@ -84,7 +84,7 @@ def test_same_seed_same_metrics(tmp_path):
 
 def test_nonempty_out_refused(tmp_path):
     (tmp_path / "x.txt").write_text("keep me")
-    with pytest.raises(ValueError, match=r"output folder .* is not empty; choose another out= or set overwrite=true"):
+    with pytest.raises(ValueError, match=r"output folder .* is not empty; choose another out=, set overwrite=true, or resume=true"):
         run_experiment(load_config(overrides=SMALL + [f"out={tmp_path}"]), progress=False, log=lambda m: None)
     assert (tmp_path / "x.txt").read_text() == "keep me"
 

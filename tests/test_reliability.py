@@ -1,0 +1,196 @@
+"""Checkpoints and resume (simulator): a resumed run equals an uninterrupted one; bad checkpoints are refused."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import pathlib
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from cdsgd import checkpoint as ckpt
+from cdsgd.config import load_config
+from cdsgd.experiment import run_experiment
+from cdsgd.simulator import Simulator
+
+# a CNN with dropout on 8x8 digits, with augmentation and momentum: every random stream matters.
+# 4 agents x 60 samples / batch 16 = 4 steps per epoch; checkpoints every 3 steps fall mid-epoch.
+BASE = ["dataset=digits", "train_subset=240", "test_subset=60", "n_agents=4", "model=cnn", "augment=true",
+        "batch_size=16", "epochs=3", "lr=0.05", "momentum=0.9", "eval_every=1", "save_params=true"]
+
+
+def _cfg(out, *extra):
+    return load_config(overrides=[*BASE, f"out={out}", *extra])
+
+
+def _metrics_without_wall(out):
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    wall = rows[0].index("wall_seconds")
+    return [r[:wall] + r[wall + 1:] for r in rows]
+
+
+def _interrupt_at(monkeypatch, step):
+    real = Simulator.step
+
+    def step_then_stop(self):
+        if self.k == step:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Simulator, "step", step_then_stop)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (with checkpoints: they must not change the result)."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    run_experiment(_cfg(out, "checkpoint_every=3", "checkpoint_unit=steps"), progress=False, log=lambda m: None)
+    return out
+
+
+def test_checkpoints_do_not_change_the_run(reference, tmp_path):
+    plain = tmp_path / "plain"
+    run_experiment(_cfg(plain), progress=False, log=lambda m: None)
+    assert _metrics_without_wall(plain) == _metrics_without_wall(reference)
+    assert torch.equal(torch.load(plain / "params.pt"), torch.load(reference / "params.pt"))
+    # only the latest complete checkpoint is kept (12 steps, every 3: step 12)
+    assert ckpt.steps_on_disk(reference, 0) == [12]
+    assert not (plain / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("stop_at", [5, 7, 11])
+def test_resume_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path, monkeypatch, stop_at):
+    out = tmp_path / "run"
+    logs = []
+    _interrupt_at(monkeypatch, stop_at)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(_cfg(out, "checkpoint_every=3", "checkpoint_unit=steps"), progress=False, log=logs.append)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    last = (stop_at // 3) * 3  # the checkpoint the interrupted run left
+    assert ckpt.steps_on_disk(out, 0) == [last]
+    monkeypatch.undo()
+
+    run_experiment(_cfg(out, "checkpoint_every=3", "checkpoint_unit=steps", "resume=true"), progress=False,
+                   log=logs.append)
+    assert any(f"continuing from the checkpoint of step {last}" in m for m in logs), logs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == last
+    assert _metrics_without_wall(out) == _metrics_without_wall(reference)
+    assert torch.equal(torch.load(out / "params.pt", weights_only=True),
+                       torch.load(reference / "params.pt", weights_only=True))
+
+
+def test_resume_of_a_finished_run_rewrites_the_same_results(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "params.pt").unlink()
+    run_experiment(_cfg(out, "checkpoint_every=3", "checkpoint_unit=steps", "resume=true"), progress=False,
+                   log=lambda m: None)
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 12
+    assert _metrics_without_wall(out) == _metrics_without_wall(reference)
+    assert torch.equal(torch.load(out / "params.pt"), torch.load(reference / "params.pt"))
+
+
+def test_resume_without_checkpoint_starts_over(reference, tmp_path):
+    logs = []
+    out = tmp_path / "run"
+    run_experiment(_cfg(out, "resume=true"), progress=False, log=logs.append)
+    assert any("no checkpoint held by all 1 rank(s)" in m and "starting from step 0" in m for m in logs), logs
+    assert _metrics_without_wall(out) == _metrics_without_wall(reference)
+
+
+def test_checkpoint_every_epochs_unit(tmp_path):
+    out = tmp_path / "run"
+    _cfg_ = load_config(overrides=[*BASE, f"out={out}", "epochs=1.5", "checkpoint_every=0.5"])
+    run_experiment(_cfg_, progress=False, log=lambda m: None)
+    assert ckpt.steps_on_disk(out, 0) == [6]  # every 2 steps (half of 4), the last at step 6
+
+
+def test_resume_refuses_another_config(reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    with pytest.raises(ValueError, match=r"cannot resume into .*another config \(lr is 0\.05 there but 0\.1 "):
+        run_experiment(_cfg(out, "resume=true", "lr=0.1"), progress=False, log=lambda m: None)
+    # the checkpoint itself carries the config too (a run folder whose config.toml was replaced)
+    (out / "config.toml").unlink()
+    with pytest.raises(ValueError, match=r"checkpoint .*rank-0.pt.* belongs to another config: lr is 0\.05"):
+        run_experiment(_cfg(out, "resume=true", "lr=0.1"), progress=False, log=lambda m: None)
+
+
+def _corrupt_truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _corrupt_flip(path):
+    data = bytearray(path.read_bytes())
+    for i in range(200, len(data), 997):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (open, ("/tmp/cdsgd-should-not-exist", "w"))
+
+
+def _corrupt_malicious(path):
+    """A pickle that would create a file when unpickled without restriction."""
+    buf = io.BytesIO()
+    torch.save({"format": ckpt.FORMAT, "evil": _Evil()}, buf)
+    path.write_bytes(buf.getvalue())
+
+
+def _corrupt_world(path):
+    payload = torch.load(path, weights_only=True)
+    payload["world"] = 3
+    torch.save(payload, path)
+
+
+@pytest.mark.parametrize("corrupt,pattern", [
+    (_corrupt_truncate, r"is corrupted or not a cdsgd checkpoint"),
+    (_corrupt_flip, r"is corrupted or not a cdsgd checkpoint"),
+    (_corrupt_malicious, r"is corrupted or not a cdsgd checkpoint .*weights_only=True refused"),
+    (_corrupt_world, r"was written by a run of world size 3, this run has world size 1"),
+])
+def test_bad_checkpoint_is_refused(reference, tmp_path, corrupt, pattern):
+    marker = pathlib.Path("/tmp/cdsgd-should-not-exist")
+    marker.unlink(missing_ok=True)
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    corrupt(ckpt.checkpoint_path(out, 12, 0))
+    with pytest.raises(ValueError, match=pattern):
+        run_experiment(_cfg(out, "resume=true"), progress=False, log=lambda m: None)
+    assert not marker.exists(), "a checkpoint's pickle ran code"
+
+
+def test_weights_only_refuses_what_plain_pickle_would_run(tmp_path):
+    """The control for the malicious case: the same bytes do run code under plain pickle loading."""
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"evil": Evil()}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_checkpoint_files_are_written_atomically(tmp_path):
+    """A crash while writing leaves a hidden temporary file, never a half-written checkpoint."""
+    ckpt.save(tmp_path, 4, 0, {"x": torch.ones(3)})
+    stray = ckpt.checkpoint_path(tmp_path, 8, 0).parent
+    stray.mkdir(parents=True)
+    (stray / ".rank-0.pt.123.tmp").write_bytes(b"half")
+    assert ckpt.steps_on_disk(tmp_path, 0) == [4]
