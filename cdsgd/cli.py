@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -262,11 +263,29 @@ def _cmd_launch(args) -> int:
         torchrun.main(argv)
     except SystemExit as e:  # torchrun exits with the workers' status
         return int(e.code or 0)
-    except Exception as e:  # ChildFailedError and friends: the workers printed their own errors
-        print(f"cdsgd launch: workers failed ({type(e).__name__}) after {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
-        return 1
+    except Exception as e:  # ChildFailedError, SignalException: the workers printed their own errors
+        print(f"cdsgd launch: {describe_launch_failure(e)} after {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        return 128 + int(e.sigval) if hasattr(e, "sigval") else 1
     return 0
+
+
+def describe_launch_failure(e: Exception) -> str:
+    """One line on why torchrun gave up: the rank that failed first and how (exit status or signal)."""
+    import signal
+
+    sigval = getattr(e, "sigval", None)
+    if sigval is not None:  # the launcher itself got SIGTERM/SIGINT: torchrun stopped every worker
+        return f"stopped by {signal.Signals(sigval).name}; every rank was sent SIGTERM"
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return f"workers failed ({type(e).__name__}: {e})"
+    first_rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    parts = []
+    for rank in sorted(failures):
+        code = failures[rank].exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        parts.append(f"rank {rank} ({how})")
+    return f"lost rank {first_rank} first; failed: {', '.join(parts)}; the other ranks were stopped"
 
 
 # -------------------------------------------------------------------- sweep
@@ -423,17 +442,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame) -> None:
+    import signal
+
+    from .experiment import Terminated
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough: let the run write its files
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+    import threading
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verb == "run" and threading.current_thread() is threading.main_thread():
+        # SIGTERM (a scheduler's stop, torchrun stopping its workers) ends a run as Ctrl-C does:
+        # the files of the evaluations done are complete and summary.json says "interrupted"
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("cdsgd: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from .experiment import Terminated
+
+        term = isinstance(e, Terminated)
+        rank = os.environ.get("RANK") if "TORCHELASTIC_RUN_ID" in os.environ else None
+        who = f"cdsgd {args.verb}" + (f" (rank {rank})" if rank is not None else "")
+        detail = f" ({e})" if str(e) else ""
+        print(f"{who}: {'stopped by SIGTERM' if term else 'interrupted'}{detail}", file=sys.stderr)
+        return 143 if term else 130
     except Exception as e:
         if args.debug:
             raise
         status = 2 if isinstance(e, ValueError) else 1
         print(f"cdsgd {args.verb}: error: {e}", file=sys.stderr)
         return status
+    finally:
+        if args.verb == "run" and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a late SIGTERM just ends the process

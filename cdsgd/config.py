@@ -171,6 +171,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise FileNotFoundError(f"config file {os.fspath(path)!r} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {os.fspath(path)!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config file {os.fspath(path)!r} is not UTF-8 text (byte {e.start}: "
+                             f"{e.object[e.start:e.start + 1]!r})") from None
         for key, value in data.items():
             if isinstance(value, dict) and key in _TYPES and _TYPES[key] != "dict":
                 raise ValueError(f"config file {os.fspath(path)!r}: {key!r} must be {_TYPES[key]}, got a table")

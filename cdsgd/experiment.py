@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -38,7 +39,7 @@ import topologies
 
 from . import __version__
 from . import checkpoint as ckpt
-from .algorithms import ALGORITHMS, algorithm_params
+from .algorithms import ALGORITHMS, algorithm_params, make_algorithm
 from .config import Config, dump_config, load_config, short_value
 from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip
 from .models import MODELS, build_model
@@ -86,6 +87,9 @@ def validate_config(cfg: Config) -> None:
         raise ValueError(f"dirichlet_alpha must be > 0, got {cfg.dirichlet_alpha}")
     if not cfg.comm_timeout > 0:
         raise ValueError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+    make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, schedule... checked by the rule itself
+    # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
+    topologies.mixing_matrix(topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params), cfg.mixing)
     _choice("checkpoint_unit", cfg.checkpoint_unit, CHECKPOINT_UNITS)
     if cfg.checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
@@ -327,7 +331,7 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
 
         payload = _find_checkpoint(cfg, out, rank=rank, world=world, agree=everyone, log=log) if resume else None
         summary = _drive(cfg, sim, parts, out, writer=rank == 0, progress=progress, log=log, resume=payload,
-                         rank=rank, world=world)
+                         rank=rank, world=world, explain=lambda e: _name_the_lost(e, rank))
         # leave together: a rank tearing its connections down while a peer still reads
         # from them would fail that peer's last collective
         if backend == "gloo":
@@ -337,6 +341,8 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         return summary
     except CommError as e:
         raise CommError(_name_the_lost(e, rank), e.peer) from None
+    except Terminated as e:
+        raise Terminated(_name_the_lost(e, rank)) from None
     finally:
         dist.destroy_process_group()
 
@@ -377,25 +383,67 @@ def _init_group(backend: str, comm_timeout: float) -> int:
     return restarts
 
 
-def _name_the_lost(e: Exception, rank: int) -> str:
-    """The error message with the rank that was lost: seen by this rank, or reported by another through the store.
+def _lost_ranks(e: BaseException, rank: int, world: int) -> tuple[list[int], int]:
+    """The ranks this failure lost, and the rank that saw it ([] if unknown).
 
-    The first rank to see a neighbour die (its connection closes at once)
-    records it; ranks that only time out later (e.g. at an evaluation) read it.
+    Every rank that fails says so in the store (``cdsgd/down/rankR``) before
+    it exits; a rank that died (SIGKILL, a lost node) cannot. A rank that saw
+    a neighbour's connection close knows the peer and records it (the first
+    report wins: later ones may be knock-on failures). A rank that only saw a
+    collective fail, or was stopped by torchrun's SIGTERM, waits up to
+    ``_LOST_PATIENCE`` seconds for that record, else names the ranks that never
+    said they were going down.
     """
-    store, lost, seen_by = _STORE, getattr(e, "peer", None), rank
-    try:
-        if lost is not None and store is not None:
-            if store.add("cdsgd/lost/ticket", 1) == 1:  # the first report wins: later ones may be knock-on failures
-                store.set("cdsgd/lost/rank", f"{lost} {rank}")
-        if store is not None and store.check(["cdsgd/lost/rank"]):
+    store, peer = _STORE, getattr(e, "peer", None)
+    if store is None:
+        return ([peer] if peer is not None else []), rank
+    store.set(f"cdsgd/down/rank{rank}", "1")
+    if peer is not None:
+        if store.add("cdsgd/lost/ticket", 1) == 1:
+            store.set("cdsgd/lost/rank", f"{peer} {rank}")
+            return [peer], rank
+    deadline = time.monotonic() + _LOST_PATIENCE
+    while True:
+        if store.check(["cdsgd/lost/rank"]):
             lost, seen_by = map(int, store.get("cdsgd/lost/rank").decode().split())
+            return [lost], seen_by
+        if time.monotonic() > deadline:
+            silent = [r for r in range(world) if r != rank and not store.check([f"cdsgd/down/rank{r}"])]
+            return (silent if len(silent) < world - 1 else []), rank
+        time.sleep(0.05)
+
+
+#: seconds a failing rank waits to learn which rank was lost (the others report within milliseconds)
+_LOST_PATIENCE = 2.0
+
+
+def _name_the_lost(e: BaseException, rank: int) -> str:
+    """The failure as one line that names the rank that was lost, when it can be known.
+
+    Called twice for one failure (for summary.json, and for the error the
+    rank exits with): the answer is kept on the exception.
+    """
+    cached = getattr(e, "_cdsgd_named", None)
+    if cached is not None:
+        return cached
+    try:
+        lost, seen_by = _lost_ranks(e, rank, int(os.environ.get("WORLD_SIZE", "1")))
     except Exception:  # noqa: BLE001 - the store may be gone with the node that held it
+        lost, seen_by = ([e.peer] if getattr(e, "peer", None) is not None else []), rank
+    msg = _explain(e) if isinstance(e, KeyboardInterrupt) else str(e)
+    if msg.startswith(f"rank {rank}: "):
+        msg = msg[len(f"rank {rank}: "):]
+    if not lost:
+        named = f"rank {rank}: {msg}"
+    else:
+        ranks = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {lost}"
+        how = "" if seen_by == rank else f" (reported by rank {seen_by})"
+        named = f"rank {rank}: lost {ranks}{how}: {msg}"
+    try:
+        e._cdsgd_named = named
+    except AttributeError:
         pass
-    if lost is None:
-        return f"rank {rank}: {e}"
-    who = "" if seen_by == rank else f", reported by rank {seen_by}"
-    return f"rank {rank}: lost rank {lost}{who}: {e}"
+    return named
 
 
 def _die_with_parent() -> None:
@@ -415,18 +463,29 @@ def _die_with_parent() -> None:
         pass
 
 
+def _explain(e: BaseException) -> str:
+    """One line for summary.json's "error"."""
+    if isinstance(e, Terminated):
+        return "SIGTERM"
+    if isinstance(e, KeyboardInterrupt):
+        return "SIGINT (Ctrl-C)"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def _csv_row(row: dict) -> dict:
     return {k: repr(v) if isinstance(v, float) else v for k, v in row.items()}
 
 
 def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool, progress: bool,
-           log: Callable[[str], None], resume: dict | None = None, rank: int = 0, world: int = 1) -> dict:
+           log: Callable[[str], None], resume: dict | None = None, rank: int = 0, world: int = 1,
+           explain: Callable[[BaseException], str] | None = None) -> dict:
     """Run the executor; the writer writes config.toml, metrics.csv, summary.json (and params.pt).
 
     Every process writes its own checkpoints (``checkpoint_every``).
     ``resume``: a checkpoint payload to continue from; its metrics rows are
     written again, and the run goes on from its step.
     """
+    explain = explain or _explain
     total = max(1, round(cfg.epochs * sim.steps_per_epoch))
     every = _checkpoint_steps(cfg, sim.steps_per_epoch)
     gap = parts["spectral_gap"]
@@ -512,12 +571,13 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
                     os.replace(tmp, out / "params.pt")
             summary["status"] = "completed"
         except KeyboardInterrupt as e:
-            summary["status"] = "interrupted"
-            summary["error"] = "SIGTERM" if isinstance(e, Terminated) else "SIGINT (Ctrl-C)"
+            summary["error"] = explain(e)
+            # torchrun's SIGTERM after a rank died is a failure of the run, not a user's stop
+            summary["status"] = "failed" if ": lost rank" in summary["error"] else "interrupted"
             raise
         except Exception as e:
             summary["status"] = "failed"
-            summary["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            summary["error"] = explain(e)
             raise
         finally:
             if bar is not None:

@@ -56,21 +56,37 @@ def draw_topology(G: nx.Graph, W, path: str | os.PathLike, *, title: str = "") -
     ax.set_title((title + "\n" if title else "") + legend, fontsize=10)
     ax.set_axis_off()
     fig.tight_layout()
-    directory = os.path.dirname(os.fspath(path))
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        directory = os.path.dirname(os.fspath(path))
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    except OSError as e:  # name the file we were asked to write, not an inner folder
+        raise OSError(f"cannot write the drawing {os.fspath(path)!r}: {e.strerror or e}") from None
+    except ValueError as e:  # matplotlib: an unknown image format
+        raise ValueError(f"cannot write the drawing {os.fspath(path)!r}: {e}") from None
+    finally:
+        plt.close(fig)
 
 
 # ----------------------------------------------------------------- run / sweep figures
 
 
-def _read_csv(path) -> list[dict]:
+def _read_csv(path, need: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of a CSV file written by cdsgd; a ValueError naming the file if it lacks a ``need`` column."""
     import csv
 
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path} is not a CSV file written by cdsgd ({type(e).__name__}: {e})") from None
+    missing = [c for c in need if c not in (reader.fieldnames or ())]
+    if missing:
+        raise ValueError(f"{path} lacks the column(s) {', '.join(missing)}; not a CSV file written by cdsgd "
+                         f"(found: {', '.join(reader.fieldnames or ()) or 'no header'})")
+    return rows
 
 
 def _num(v) -> float:
@@ -87,7 +103,8 @@ def plot_run(folder, out=None) -> list[str]:
 
     plt = _pyplot()
     folder = Path(folder)
-    rows = _read_csv(folder / "metrics.csv")
+    rows = _read_csv(folder / "metrics.csv",
+                     ("epoch", "test_accuracy", "test_accuracy_avg_model", "consensus_distance"))
     if not rows:
         raise ValueError(f"{folder / 'metrics.csv'} has no rows yet")
     ep = [_num(r["epoch"]) for r in rows]
@@ -129,9 +146,11 @@ def plot_sweep(folder, out=None) -> list[str]:
     plt = _pyplot()
     folder = Path(folder)
     out = Path(out or folder)
-    results = [r for r in _read_csv(folder / "results.csv") if r["status"] == "completed"]
+    need = ("status", "run", "test_accuracy", "spectral_gap", "bytes_sent_per_agent")
+    results = [r for r in _read_csv(folder / "results.csv", need) if r["status"] == "completed"]
     if not results:
-        raise ValueError(f"{folder / 'results.csv'} lists no completed run")
+        raise ValueError(f"{folder} holds no run to plot: no metrics.csv (a run folder), and "
+                         f"{folder / 'results.csv'} lists no completed run (a sweep folder)")
 
     from .config import short_value as show
 
@@ -197,7 +216,7 @@ def plot_sweep(folder, out=None) -> list[str]:
         fig, axes = panels()
         for (f, h, st), runs in sorted(groups.items()):
             ax = axes[facets.index(f)]
-            series = [_read_csv(folder / r["run"] / "metrics.csv") for r in runs]
+            series = [_read_csv(folder / r["run"] / "metrics.csv", ("epoch", column)) for r in runs]
             n = min(len(x) for x in series)
             if n == 0:
                 continue

@@ -31,6 +31,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import re
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -60,11 +62,18 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
+def _first_line(e: Exception) -> str:
+    """gloo's message without its source location and boilerplate advice."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    msg = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", msg)
+    return msg.split(". This is typically caused")[0]
+
+
 def _wait(work, timeout: float, what: str, peer: int | None = None) -> None:
     try:
         ok = work.wait(_timedelta(timeout))
     except RuntimeError as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = _first_line(e)
         if "timed out" in msg.lower() or "timeout" in msg.lower():
             raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s ({msg})", peer) from None
         raise CommError(f"{what} failed: {msg}", peer) from None
@@ -160,7 +169,7 @@ class NeighbourMixer(Mixer):
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as e:  # a closed connection can fail the posting itself
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            msg = _first_line(e)
             raise CommError(f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours} "
                             f"failed (a neighbour's process is gone?): {msg}") from None
         self.bytes_sent += len(self.neighbours) * x.numel() * x.element_size()

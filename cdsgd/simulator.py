@@ -477,6 +477,8 @@ class Simulator:
             xb = x[idx] if self.augment is None else self.augment(x[idx], self._augment_gens[i])
             batches.append((xb, y[idx]))
         views = self.layout.views
+        if self.strategy == "vmap" and not rows:  # no agent held here takes part in this step (FedAvg)
+            return G, torch.zeros(0)
         if self.strategy == "vmap":
             xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
             if len(rows) == len(self.agents):

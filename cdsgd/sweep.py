@@ -98,13 +98,27 @@ def _as_list(where: str, key: str, value) -> list:
     return value
 
 
+def _tables(data: dict, key: str) -> list[dict]:
+    """``[[key]]`` groups (or one ``[key]`` table) of a sweep file as a list of tables."""
+    value = data.get(key, [])
+    value = [value] if isinstance(value, dict) else value
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"sweep {key!r} must be tables ([[{key}]] groups of config keys), got {value!r}")
+    return value
+
+
 def load_sweep(path: str | os.PathLike, out: str | os.PathLike) -> list[SweepRun]:
     """Expand a sweep file into its runs (validated), with folders under ``out``."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"sweep file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"sweep file {str(path)!r} is a folder, not a file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"sweep file {str(path)!r} is not UTF-8 text (byte {e.start}: "
+                         f"{e.object[e.start:e.start + 1]!r})") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
     unknown = sorted(set(data) - _SWEEP_KEYS)
@@ -118,22 +132,24 @@ def load_sweep(path: str | os.PathLike, out: str | os.PathLike) -> list[SweepRun
     elif isinstance(raw_base, dict):
         base = dict(raw_base)
         base_file = base.pop("file", None)
+        if base_file is not None and not isinstance(base_file, str):
+            raise ValueError(f"sweep base.file must be a config file path (a string), got {base_file!r}")
     else:
         raise ValueError(f"sweep 'base' must be a config file path or a table of config keys, got {raw_base!r}")
     grid = data.get("grid", {})
     if not isinstance(grid, dict):
         raise ValueError("sweep 'grid' must be a table mapping config keys to lists")
     dims: list[list[dict]] = [[{k: v} for v in _as_list("grid", k, vals)] for k, vals in grid.items()]
-    zips = data.get("zip", [])
-    zips = [zips] if isinstance(zips, dict) else zips
-    for z in zips:
+    zips = _tables(data, "zip")
+    for number, z in enumerate(zips):
+        if not z:
+            raise ValueError(f"sweep zip group {number} is empty; give it keys with lists of one length")
         lengths = {k: len(_as_list("zip", k, v)) for k, v in z.items()}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"sweep zip group keys must have lists of one length, got {lengths}")
         n = next(iter(lengths.values()))
         dims.append([{k: z[k][i] for k in z} for i in range(n)])
-    excludes = data.get("exclude", [])
-    excludes = [excludes] if isinstance(excludes, dict) else excludes
+    excludes = _tables(data, "exclude")
     varying_keys: list[str] = []
     for dim in dims:
         for k in dim[0]:

@@ -20,9 +20,10 @@ are relabelled 0..n-1 in *natural* order: numbers compare numerically, also
 inside labels (``2 < 10``, ``n2 < n10``), other text alphabetically. The
 original label is kept in each node's ``label`` attribute.
 
-Refused with a ValueError naming the file and the problem: missing or
-unknown-format files, empty graphs, self-loops, directed graphs (including
-non-symmetric matrices), non-numeric or ragged matrices, malformed lines.
+Refused naming the file and the problem: a missing file (FileNotFoundError);
+with a ValueError, a path that is not a regular file, an unknown extension,
+empty graphs, self-loops, directed graphs (including non-symmetric
+matrices), non-numeric or ragged matrices, malformed lines.
 Connectivity is checked later, by :func:`topologies.validate`.
 
 Example::
@@ -161,6 +162,9 @@ def load(path: str | os.PathLike) -> nx.Graph:
     if ext not in FORMATS:
         raise ValueError(f"{path}: unknown graph file extension {ext or '(none)'!r}; allowed: {', '.join(FORMATS)}")
     if not path.is_file():
+        if path.exists():
+            what = "a folder" if path.is_dir() else "not a regular file"
+            raise ValueError(f"graph file {str(path)!r} is {what}; give the path of a graph file")
         raise FileNotFoundError(f"graph file {str(path)!r} does not exist")
     if ext in (".edgelist", ".txt"):
         G = _relabel(_read_edgelist(path))

@@ -138,7 +138,16 @@ def weight(G: nx.Graph) -> np.ndarray:
             w = float(data["weight"])
         except (TypeError, ValueError):
             raise ValueError(f"rule 'weight': edge ({i}, {j}) has non-numeric weight {data['weight']!r}") from None
+        if not w >= 0 or not np.isfinite(w):
+            raise ValueError(f"rule 'weight': edge ({i}, {j}) has weight {w!r}; weights must be finite and >= 0")
         W[i, j] = W[j, i] = w
+    np.fill_diagonal(W, 0.0)
+    sums = W.sum(axis=1)
+    over = np.flatnonzero(sums > 1.0 + TOL)
+    if len(over):  # say which node, rather than "W[i, i] is negative" after filling the diagonal
+        i = int(over[0])
+        raise ValueError(f"rule 'weight': the edge weights at node {i} sum to {_fmt(sums[i])} > 1, "
+                         f"leaving self weight {_fmt(1.0 - sums[i])}; the weights at every node must sum to <= 1")
     return _fill_diagonal(W)
 
 

@@ -400,12 +400,12 @@ def _find_idx(name: str, data_dir: Path) -> tuple[dict[str, Path] | None, list[s
     report = []
     for folder in (data_dir, data_dir / sub, *map(Path, system)):
         if not folder.is_dir():
-            report.append(f"  {folder}  (no such folder)")
+            report.append(f"{folder} ({'not a folder' if folder.exists() else 'no such folder'})")
             continue
         found, missing = _idx_folder_files(folder)
         if not missing:
             return found, report
-        report.append(f"  {folder}  (missing: {', '.join(missing)})")
+        report.append(f"{folder} (missing: {', '.join(missing)})")
     return None, report
 
 
@@ -420,9 +420,10 @@ def _load_idx_set(name: str, data_dir: Path, download: bool) -> Dataset:
         if name == "fashion-mnist":
             how.insert(0, "`apt-get install dataset-fashion-mnist` (Debian/Ubuntu) installs them "
                           "in /usr/share/datasets/fashion-mnist")
+        # one line: the CLI prints str(error) after "cdsgd VERB: error: "
         raise FileNotFoundError(
             f"{name}: no folder holds all four IDX files ({', '.join(_IDX_FILES)}; each raw or .gz). "
-            "Looked in, in order:\n" + "\n".join(report) + "\nTo obtain them: " + "; or ".join(how) + ".")
+            "Looked in, in order: " + "; ".join(report) + ". To obtain them: " + "; or ".join(how) + ".")
     arrays = {stem: read_idx(p, magic=_IDX_IMAGES if "images" in stem else _IDX_LABELS)
               for stem, p in files.items()}
     splits = []
