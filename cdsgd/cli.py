@@ -279,7 +279,12 @@ def describe_launch_failure(e: Exception) -> str:
     failures = getattr(e, "failures", None)
     if not failures:
         return f"workers failed ({type(e).__name__}: {e})"
-    first_rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    def cause(r):  # a death by another signal than torchrun's SIGTERM first, then an error exit, then time
+        code = failures[r].exitcode
+        stopped = code in (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
+        return (stopped, code >= 0, failures[r].timestamp, r)
+
+    first_rank = min(failures, key=cause)
     parts = []
     for rank in sorted(failures):
         code = failures[rank].exitcode

@@ -383,33 +383,43 @@ def _init_group(backend: str, comm_timeout: float) -> int:
     return restarts
 
 
-def _lost_ranks(e: BaseException, rank: int, world: int) -> tuple[list[int], int]:
-    """The ranks this failure lost, and the rank that saw it ([] if unknown).
+def _lost_ranks(e: BaseException, rank: int, world: int) -> tuple[list[int], int, bool]:
+    """(the ranks this failure lost, the rank that saw it, whether the run was being stopped on purpose).
 
     Every rank that fails says so in the store (``cdsgd/down/rankR``) before
-    it exits; a rank that died (SIGKILL, a lost node) cannot. A rank that saw
-    a neighbour's connection close knows the peer and records it (the first
-    report wins: later ones may be knock-on failures). A rank that only saw a
-    collective fail, or was stopped by torchrun's SIGTERM, waits up to
-    ``_LOST_PATIENCE`` seconds for that record, else names the ranks that never
-    said they were going down.
+    it exits, and a rank stopped by SIGTERM says that first
+    (``cdsgd/stopping/rankR``); a rank that died (SIGKILL, a lost node) says
+    nothing. A rank that saw a neighbour's connection close knows the peer:
+    if that peer was stopping, the run is being stopped, nothing was lost;
+    else it records the peer (the first report wins: later ones may be
+    knock-on failures). A rank that only saw a collective fail, or was stopped
+    by torchrun's SIGTERM, waits up to ``_LOST_PATIENCE`` seconds for that
+    record, else names the ranks that never said they were going down.
     """
     store, peer = _STORE, getattr(e, "peer", None)
     if store is None:
-        return ([peer] if peer is not None else []), rank
+        return ([peer] if peer is not None else []), rank, False
+    if isinstance(e, Terminated):
+        store.set(f"cdsgd/stopping/rank{rank}", "1")
     store.set(f"cdsgd/down/rank{rank}", "1")
     if peer is not None:
+        if store.check([f"cdsgd/stopping/rank{peer}"]):
+            return [], rank, True
         if store.add("cdsgd/lost/ticket", 1) == 1:
             store.set("cdsgd/lost/rank", f"{peer} {rank}")
-            return [peer], rank
+            return [peer], rank, False
     deadline = time.monotonic() + _LOST_PATIENCE
     while True:
         if store.check(["cdsgd/lost/rank"]):
             lost, seen_by = map(int, store.get("cdsgd/lost/rank").decode().split())
-            return [lost], seen_by
+            return [lost], seen_by, False
         if time.monotonic() > deadline:
             silent = [r for r in range(world) if r != rank and not store.check([f"cdsgd/down/rank{r}"])]
-            return (silent if len(silent) < world - 1 else []), rank
+            stopping = isinstance(e, Terminated) or any(
+                store.check([f"cdsgd/stopping/rank{r}"]) for r in range(world) if r != rank)
+            if stopping and len(silent) == world - 1:
+                return [], rank, True
+            return (silent if len(silent) < world - 1 else []), rank, stopping and not silent
         time.sleep(0.05)
 
 
@@ -421,26 +431,30 @@ def _name_the_lost(e: BaseException, rank: int) -> str:
     """The failure as one line that names the rank that was lost, when it can be known.
 
     Called twice for one failure (for summary.json, and for the error the
-    rank exits with): the answer is kept on the exception.
+    rank exits with): the answer is kept on the exception, with
+    ``_cdsgd_lost`` (the lost ranks) and ``_cdsgd_stopped`` (the run was
+    being stopped on purpose: SIGTERM to the launcher) for the run's status.
     """
     cached = getattr(e, "_cdsgd_named", None)
     if cached is not None:
         return cached
     try:
-        lost, seen_by = _lost_ranks(e, rank, int(os.environ.get("WORLD_SIZE", "1")))
+        lost, seen_by, stopped = _lost_ranks(e, rank, int(os.environ.get("WORLD_SIZE", "1")))
     except Exception:  # noqa: BLE001 - the store may be gone with the node that held it
-        lost, seen_by = ([e.peer] if getattr(e, "peer", None) is not None else []), rank
+        lost, seen_by, stopped = ([e.peer] if getattr(e, "peer", None) is not None else []), rank, False
     msg = _explain(e) if isinstance(e, KeyboardInterrupt) else str(e)
     if msg.startswith(f"rank {rank}: "):
         msg = msg[len(f"rank {rank}: "):]
-    if not lost:
-        named = f"rank {rank}: {msg}"
-    else:
+    if lost:
         ranks = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {lost}"
         how = "" if seen_by == rank else f" (reported by rank {seen_by})"
         named = f"rank {rank}: lost {ranks}{how}: {msg}"
+    elif stopped and not isinstance(e, Terminated):
+        named = f"rank {rank}: stopped with the run (SIGTERM): {msg}"
+    else:
+        named = f"rank {rank}: {msg}"
     try:
-        e._cdsgd_named = named
+        e._cdsgd_named, e._cdsgd_lost, e._cdsgd_stopped = named, lost, stopped
     except AttributeError:
         pass
     return named
@@ -573,11 +587,12 @@ def _drive(cfg: Config, sim: Simulator, parts: dict, out: Path, *, writer: bool,
         except KeyboardInterrupt as e:
             summary["error"] = explain(e)
             # torchrun's SIGTERM after a rank died is a failure of the run, not a user's stop
-            summary["status"] = "failed" if ": lost rank" in summary["error"] else "interrupted"
+            summary["status"] = "failed" if getattr(e, "_cdsgd_lost", None) else "interrupted"
             raise
         except Exception as e:
-            summary["status"] = "failed"
             summary["error"] = explain(e)
+            # a neighbour that left because the launcher stopped the run: the run was interrupted
+            summary["status"] = "interrupted" if getattr(e, "_cdsgd_stopped", False) else "failed"
             raise
         finally:
             if bar is not None:

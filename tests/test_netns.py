@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from launch_harness import finish, report, start
 from test_runtime_run import BASE, NO_WALL, metrics
 
 LAUNCH_TIMEOUT = 90  # seconds per launch (a run takes ~10 s here)
@@ -83,91 +83,12 @@ def netns_pair():
                 pass
 
 
-def _start(argv, env, log):
-    """Start a launcher in its own process group, its output (and its workers') going to the file ``log``."""
-    with open(log, "w") as f:  # a file, not a pipe: an orphaned worker holding a pipe open could block a read
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                start_new_session=True)
-
-
-def _stat(pid):
-    """(parent pid, start time) of a live process, or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return int(fields[1]), int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _descendants(pid):
-    """{pid: start time} of every live descendant of ``pid``."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (st := _stat(int(name))) is not None:
-            children.setdefault(st[0], []).append((int(name), st[1]))
-    found, todo = {}, [pid]
-    while todo:
-        for child, start in children.get(todo.pop(), []):
-            found[child] = start
-            todo.append(child)
-    return found
-
-
-def _stop(p, grace=15.0):
-    """End a launcher that ran out of time: SIGTERM first, so that torchrun stops its workers itself; then
-    SIGKILL its process group and every worker it started (torchrun puts each worker in a session of its own,
-    so killing the launcher alone would leave them running)."""
-    workers = _descendants(p.pid)
-    try:
-        os.kill(p.pid, signal.SIGTERM)
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    workers.update(_descendants(p.pid))
-    for pid, start in workers.items():
-        st = _stat(pid)
-        if st is not None and st[1] == start:  # still that same process, not a recycled pid
-            os.kill(pid, signal.SIGKILL)
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
-
-
-def _finish(procs, timeout):
-    """Wait for every launcher with one shared deadline; stop those still running at it. Returns the pids
-    that were stopped."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    timed_out = []
-    try:
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out.append(p.pid)
-                _stop(p)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _stop(p)
-    return timed_out
-
-
-def _report(names, procs, logs, timed_out):
-    return "\n".join(f"===== {n}: exit {p.returncode}{' (stopped on timeout)' if p.pid in timed_out else ''}\n"
-                     f"{log.read_text(errors='replace')}" for n, p, log in zip(names, procs, logs))
-
-
 def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, netns_pair):
     one, two = tmp_path / "one", tmp_path / "two"
     log = tmp_path / "one.log"
-    ref = _start([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *BASE, f"out={one}"], {}, log)
-    timed_out = _finish([ref], LAUNCH_TIMEOUT)
-    assert ref.returncode == 0 and not timed_out, _report(["one node on loopback"], [ref], [log], timed_out)
+    ref = start([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *BASE, f"out={one}"], {}, log)
+    timed_out = finish([ref], LAUNCH_TIMEOUT)
+    assert ref.returncode == 0 and not timed_out, report(["one node on loopback"], [ref], [log], timed_out)
 
     master = netns_pair[0][2]
     procs, names, logs = [], [], []
@@ -176,10 +97,10 @@ def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, netns_pair):
                 "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master,
                 "--master-port", str(MASTER_PORT), *BASE, f"out={two}"]
         logs.append(tmp_path / f"node{rank}.log")
-        procs.append(_start(argv, {"GLOO_SOCKET_IFNAME": ifname}, logs[-1]))
+        procs.append(start(argv, {"GLOO_SOCKET_IFNAME": ifname}, logs[-1]))
         names.append(f"node {rank} (namespace {ns}, {ifname} {addr})")
-    timed_out = _finish(procs, LAUNCH_TIMEOUT)
-    assert all(p.returncode == 0 for p in procs) and not timed_out, _report(names, procs, logs, timed_out)
+    timed_out = finish(procs, LAUNCH_TIMEOUT)
+    assert all(p.returncode == 0 for p in procs) and not timed_out, report(names, procs, logs, timed_out)
 
     assert torch.equal(torch.load(one / "params.pt"), torch.load(two / "params.pt"))
     m1, m2 = metrics(one), metrics(two)
