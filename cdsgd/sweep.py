@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .checkpoint import VOLATILE_KEYS, config_for_checkpoint
 from .config import Config, _toml_value, dump_config, load_config, short_value
 from .experiment import validate_config
 
@@ -77,8 +78,8 @@ class SweepRun:
 
 
 def run_identity(cfg: Config) -> str:
-    """Digest of the resolved config without where it is written."""
-    data = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "overwrite")}
+    """Digest of the resolved config without where and how it is written (out, overwrite, checkpoints...)."""
+    data = config_for_checkpoint(cfg.__dict__)
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -178,13 +179,20 @@ def load_sweep(path: str | os.PathLike, out: str | os.PathLike) -> list[SweepRun
     return runs
 
 
+def _same_run(folder: Path, identity: str) -> bool:
+    """The folder holds (the start of) this very run."""
+    try:
+        return run_identity(load_config(folder / "config.toml")) == identity
+    except (OSError, ValueError):
+        return False
+
+
 def _finished(folder: Path, identity: str) -> bool:
     try:
         summary = json.loads((folder / "summary.json").read_text())
-        cfg = load_config(folder / "config.toml")
     except (OSError, ValueError):
         return False
-    return summary.get("status") == "completed" and run_identity(cfg) == identity
+    return summary.get("status") == "completed" and _same_run(folder, identity)
 
 
 def _last_error_line(text: str) -> str:
@@ -216,7 +224,9 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
 
     def one(r: SweepRun) -> tuple[SweepRun, bool, str, float]:
         r.folder.mkdir(parents=True, exist_ok=True)
-        cfg = Config(**{**r.config.__dict__, "overwrite": True})
+        # the same run stopped half-way continues from its latest checkpoint (if it wrote any);
+        # anything else in the folder is replaced
+        cfg = Config(**{**r.config.__dict__, "overwrite": True, "resume": _same_run(r.folder, r.identity)})
         spec = r.folder / "sweep-config.toml"
         spec.write_text(dump_config(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -265,7 +275,7 @@ def collect(out: str | os.PathLike) -> list[dict]:
         except (OSError, ValueError):
             continue
         found.append((folder, cfg, summary))
-    keys = [k for k in Config.__dataclass_fields__ if k not in ("out", "overwrite", "seed")]
+    keys = [k for k in Config.__dataclass_fields__ if k not in VOLATILE_KEYS and k != "seed"]
     varying = [k for k in keys if len({json.dumps(getattr(c, k), sort_keys=True) for _, c, _ in found}) > 1]
     rows = []
     for folder, cfg, summary in found:

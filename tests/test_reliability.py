@@ -194,3 +194,22 @@ def test_checkpoint_files_are_written_atomically(tmp_path):
     stray.mkdir(parents=True)
     (stray / ".rank-0.pt.123.tmp").write_bytes(b"half")
     assert ckpt.steps_on_disk(tmp_path, 0) == [4]
+
+
+def test_sweep_continues_a_stopped_run_from_its_checkpoint(reference, tmp_path, monkeypatch):
+    """`cdsgd sweep` re-run after a stop: the unfinished run resumes (resume=true), the result is unchanged."""
+    from cdsgd import cli
+    from cdsgd.sweep import load_sweep
+
+    spec = tmp_path / "s.toml"
+    base = "\n".join(f"{k} = {v}" if v.replace(".", "").isdigit() or v in ("true", "false") else f'{k} = "{v}"'
+                     for k, v in (kv.split("=", 1) for kv in BASE))
+    spec.write_text(f"[base]\n{base}\ncheckpoint_every = 3\ncheckpoint_unit = \"steps\"\n[grid]\nseed = [0]\n")
+    (run,) = load_sweep(spec, tmp_path / "out")
+    _interrupt_at(monkeypatch, 7)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(run.config, progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "out")]) == 0
+    assert "continuing from the checkpoint of step 6" in (run.folder / "run.log").read_text()
+    assert _metrics_without_wall(run.folder) == _metrics_without_wall(reference)

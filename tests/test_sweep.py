@@ -136,19 +136,31 @@ seed = [0, 1]
 
 
 def test_failing_run_is_reported_and_the_rest_finish(tmp_path, capsys):
+    """A run that passes validation but fails when it runs (its data set's files are missing)."""
+    spec = write(tmp_path, TINY + f"""data_dir = "{tmp_path / 'no-data'}"
+[grid]
+dataset = ["digits", "mnist"]
+""")
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--jobs", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "1 done, 0 skipped, 1 failed" in text
+    assert "failed: dataset=mnist: cdsgd run: error: mnist: no folder holds all four IDX files" in text
+    fields, rows = read_results(out)
+    assert [r["run"] for r in rows] == ["dataset=digits"]
+    assert "no folder holds all four IDX files" in (out / "dataset=mnist" / "run.log").read_text()
+
+
+def test_bad_grid_value_is_refused_before_any_run(tmp_path, capsys):
     spec = write(tmp_path, TINY + """
 [grid]
 topology = ["ring", "hypercube"]
 n_agents = [6]
 """)
     out = tmp_path / "out"
-    assert cli.main(["sweep", str(spec), "--out", str(out), "--jobs", "2"]) == 1
-    text = capsys.readouterr().out
-    assert "1 done, 0 skipped, 1 failed" in text
-    assert "failed: topology=hypercube,n_agents=6: cdsgd run: error: hypercube: n must be a power of two, got n=6" in text
-    fields, rows = read_results(out)
-    assert [r["run"] for r in rows] == ["topology=ring,n_agents=6"]
-    assert "power of two" in (out / "topology=hypercube,n_agents=6" / "run.log").read_text()
+    assert cli.main(["sweep", str(spec), "--out", str(out)]) == 2
+    assert "hypercube: n must be a power of two, got n=6" in capsys.readouterr().err
+    assert not list(out.glob("*/summary.json"))
 
 
 @pytest.mark.parametrize("name,count", [("topology.toml", 78), ("paper_claims.toml", 16)])
