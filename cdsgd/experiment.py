@@ -317,6 +317,10 @@ def _run_distributed(cfg: Config, *, progress: bool, log: Callable[[str], None])
         mixer = NeighbourMixer(parts["W"], rank, timeout=cfg.comm_timeout, exact=cfg.exact)
         reducer = DistReducer(device=device, timeout=cfg.comm_timeout)
         sim = _make_executor(cfg, parts, mixer=mixer, agents=[rank], reducer=reducer)
+        if _STORE is not None:  # who runs where: lets a failing rank tell a dead local process from a slow one
+            import socket
+
+            _STORE.set(f"cdsgd/proc/rank{rank}", f"{socket.gethostname()} {os.getpid()}")
         if not resume:
             ckpt.remove_all(out)  # before the agreement below: no rank has written a checkpoint of this run yet
         # "resume" differs between a first attempt and a restart: compare the config without it
@@ -386,16 +390,21 @@ def _init_group(backend: str, comm_timeout: float) -> int:
 def _lost_ranks(e: BaseException, rank: int, world: int) -> tuple[list[int], int, bool]:
     """(the ranks this failure lost, the rank that saw it, whether the run was being stopped on purpose).
 
-    Every rank that fails says so in the store (``cdsgd/down/rankR``) before
-    it exits, and a rank stopped by SIGTERM says that first
-    (``cdsgd/stopping/rankR``); a rank that died (SIGKILL, a lost node) says
-    nothing. A rank that saw a neighbour's connection close knows the peer:
-    if that peer was stopping, the run is being stopped, nothing was lost;
-    else it records the peer (the first report wins: later ones may be
-    knock-on failures). A rank that only saw a collective fail, or was stopped
-    by torchrun's SIGTERM, waits up to ``_LOST_PATIENCE`` seconds for that
-    record, else names the ranks that never said they were going down.
+    Through the rendezvous store: every rank registers its host and pid at
+    start (``cdsgd/proc/rankR``); every rank that fails says so before it
+    exits (``cdsgd/down/rankR``), and a rank stopped by SIGTERM says that
+    first (``cdsgd/stopping/rankR``); a rank that died (SIGKILL, a lost node)
+    says nothing. A rank that saw a neighbour's connection close knows the
+    peer: if that peer was stopping, the run is being stopped and nothing was
+    lost; else it records the peer (the first report wins: later ones may be
+    knock-on failures). Any other failing rank (a collective failed, or
+    torchrun's SIGTERM) waits up to ``_LOST_PATIENCE`` seconds for that
+    record, naming at once any rank on its own host whose process is gone
+    without a word; at the end, ranks on other hosts that never said they
+    were going down are named, unless the run was being stopped.
     """
+    import socket
+
     store, peer = _STORE, getattr(e, "peer", None)
     if store is None:
         return ([peer] if peer is not None else []), rank, False
@@ -408,18 +417,41 @@ def _lost_ranks(e: BaseException, rank: int, world: int) -> tuple[list[int], int
         if store.add("cdsgd/lost/ticket", 1) == 1:
             store.set("cdsgd/lost/rank", f"{peer} {rank}")
             return [peer], rank, False
+    host = socket.gethostname()
+    others = [r for r in range(world) if r != rank]
+    procs = {}
+    for r in others:
+        if store.check([f"cdsgd/proc/rank{r}"]):
+            h, pid = store.get(f"cdsgd/proc/rank{r}").decode().rsplit(" ", 1)
+            procs[r] = (h, int(pid))
+
+    def quiet(r):
+        return not store.check([f"cdsgd/down/rank{r}"])
+
+    def gone(r):  # a process on this host that no longer exists
+        if r not in procs or procs[r][0] != host:
+            return False
+        try:
+            os.kill(procs[r][1], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
     deadline = time.monotonic() + _LOST_PATIENCE
     while True:
         if store.check(["cdsgd/lost/rank"]):
             lost, seen_by = map(int, store.get("cdsgd/lost/rank").decode().split())
             return [lost], seen_by, False
+        dead = [r for r in others if quiet(r) and gone(r)]
+        if dead:
+            return dead, rank, False
         if time.monotonic() > deadline:
-            silent = [r for r in range(world) if r != rank and not store.check([f"cdsgd/down/rank{r}"])]
-            stopping = isinstance(e, Terminated) or any(
-                store.check([f"cdsgd/stopping/rank{r}"]) for r in range(world) if r != rank)
-            if stopping and len(silent) == world - 1:
+            if isinstance(e, Terminated) or any(store.check([f"cdsgd/stopping/rank{r}"]) for r in others):
                 return [], rank, True
-            return (silent if len(silent) < world - 1 else []), rank, stopping and not silent
+            remote_silent = [r for r in others if quiet(r) and procs.get(r, ("?",))[0] != host]
+            return (remote_silent if len(remote_silent) < len(others) else []), rank, False
         time.sleep(0.05)
 
 
