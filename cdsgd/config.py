@@ -56,8 +56,11 @@ class Config:
     train_subset: int = 0  # use only this many training samples (0: all), a seeded random subset
     test_subset: int = 0  # evaluate on this many test samples (0: all), a seeded random subset
     augment: bool = False  # random crop + horizontal flip per batch (image data sets)
+    bucketing: int = 0  # sequence data: batches from this many length buckets per agent (0 or 1: off)
+    bucket_rule: str = "optimal"  # bucket boundaries: optimal (least padding) | quantile | uniform
     # --- model
-    model: str = "mlp"  # logreg | mlp | fcn | lenet | cnn | big_cnn
+    model: str = "mlp"  # logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru
+    model_params: dict = field(default_factory=dict)  # model options, e.g. {hidden = 32, layers = 1, packed = true}
     # --- optimisation
     epochs: float = 30.0  # epochs of ceil(mean shard size / batch_size) synchronous steps
     batch_size: int = 32  # per agent

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 import topologies
@@ -41,7 +42,8 @@ from . import __version__
 from . import checkpoint as ckpt
 from .algorithms import ALGORITHMS, algorithm_params, make_algorithm
 from .config import Config, dump_config, load_config, short_value
-from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip
+from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip, sequence_lengths
+from .data.bucketing import BUCKET_RULES, BucketStream, bucket_boundaries, bucket_of
 from .models import MODELS, build_model
 from .seeding import generator
 from .simulator import METRIC_COLUMNS, STRATEGIES, INITS, Simulator
@@ -80,13 +82,14 @@ def validate_config(cfg: Config) -> None:
     for key in ("batch_size", "eval_every", "eval_batch_size", "local_epochs", "min_shard_size"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
-    for key in ("train_subset", "test_subset", "eval_agents", "eval_samples", "local_steps", "seed"):
+    for key in ("train_subset", "test_subset", "eval_agents", "eval_samples", "local_steps", "seed", "bucketing"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} must be >= 0 (0 means all/off), got {getattr(cfg, key)}")
     if not cfg.dirichlet_alpha > 0:
         raise ValueError(f"dirichlet_alpha must be > 0, got {cfg.dirichlet_alpha}")
     if not cfg.comm_timeout > 0:
         raise ValueError(f"comm_timeout must be > 0 seconds, got {cfg.comm_timeout}")
+    BUCKET_RULES.get(cfg.bucket_rule)
     make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, schedule... checked by the rule itself
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
     topologies.mixing_matrix(topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params), cfg.mixing)
@@ -134,10 +137,37 @@ def prepare(cfg: Config) -> dict:
     idx = partition(train_y.numpy(), cfg.n_agents, cfg.partition, seed=cfg.seed, alpha=cfg.dirichlet_alpha,
                     min_size=cfg.min_shard_size)
     shards = [(train_x[torch.from_numpy(i)], train_y[torch.from_numpy(i)]) for i in idx]
+    build_model(cfg.model, ds.input_shape, ds.n_classes, **cfg.model_params)  # bad model options fail here
     return {
         "graph": G, "W": W, "spectral_gap": gap, "dataset": ds, "shards": shards,
         "test_set": (test_x, test_y),
-        "model_fn": lambda: build_model(cfg.model, ds.input_shape, ds.n_classes),
+        "model_fn": lambda: build_model(cfg.model, ds.input_shape, ds.n_classes, **cfg.model_params),
+        **_bucketed_streams(cfg, ds, shards),
+    }
+
+
+def _bucketed_streams(cfg: Config, ds, shards) -> dict:
+    """With ``bucketing`` > 1: each agent's batches come from length buckets of its own shard.
+
+    Returns the Simulator options ``batch_stream`` (agent j's BucketStream over
+    its shard's lengths and its own boundaries, by ``bucket_rule``) and
+    ``steps_per_epoch`` (the mean over agents of the batches one pass over a
+    shard takes: the last batch of every bucket may be short), and the
+    boundaries per agent; ``{}`` without bucketing.
+    """
+    if cfg.bucketing <= 1:
+        return {}
+    if len(ds.input_shape) != 2:
+        raise ValueError(f"bucketing={cfg.bucketing} needs a sequence data set (plaid, japanese_vowels, "
+                         f"synthetic_seq), not {cfg.dataset!r} with inputs of shape {ds.input_shape}")
+    lengths = [sequence_lengths(x).numpy() for x, _ in shards]
+    bounds = [bucket_boundaries(ln, cfg.bucketing, cfg.bucket_rule) for ln in lengths]
+    per_pass = [int(sum(math.ceil(c / cfg.batch_size) for c in np.bincount(bucket_of(ln, b)) if c))
+                for ln, b in zip(lengths, bounds)]
+    return {
+        "batch_stream": lambda j, gen: BucketStream(lengths[j], cfg.batch_size, bounds[j], gen),
+        "steps_per_epoch": max(1, math.ceil(sum(per_pass) / len(per_pass))),
+        "bucket_boundaries": bounds,
     }
 
 
@@ -226,6 +256,7 @@ def _make_executor(cfg: Config, parts: dict, **where) -> Simulator:
         test_set=parts["test_set"], eval_batch_size=cfg.eval_batch_size,
         eval_agents=cfg.eval_agents or None, eval_samples=cfg.eval_samples or None, exact=cfg.exact,
         augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
+        batch_stream=parts.get("batch_stream"), steps_per_epoch=parts.get("steps_per_epoch"),
         **where, **hyperparameters(cfg),
     )
 

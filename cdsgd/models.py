@@ -17,6 +17,10 @@ the first dense layer is found by a dry run.
 ``big_cnn``    the paper's Big_CNN: VGG-like blocks 3×conv64, 3×conv128,
                3×conv256, each followed by max-pooling and dropout 0.5, then
                two fc512
+``lstm``       sequences (T, 1 + C): an LSTM (``hidden`` 64, ``layers`` 1),
+               the state after each sequence's last step, a linear layer;
+               ``packed`` (default false) skips padded steps
+``gru``        the same with a GRU
 =============  =============================================================
 
 >>> m = build_model("cnn", (1, 28, 28), 10)
@@ -33,7 +37,9 @@ from torch import nn
 
 from topologies import Registry
 
-__all__ = ["MODELS", "build_model", "has_convolutions", "n_parameters", "vmap_blockers"]
+from .data.sequences import sequence_lengths
+
+__all__ = ["MODELS", "SequenceClassifier", "build_model", "has_convolutions", "n_parameters", "vmap_blockers"]
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 
@@ -135,6 +141,8 @@ def vmap_blockers(module: nn.Module) -> list[str]:
         reasons.append("it has dropout (each agent needs its own random stream)")
     if any(True for _ in module.buffers()):
         reasons.append("it has buffers such as batch-norm statistics (kept per agent)")
+    if any(isinstance(m, nn.RNNBase) for m in module.modules()):
+        reasons.append("it is recurrent (each batch is cut to its own longest sequence: shapes vary per agent)")
     return reasons
 
 
@@ -145,3 +153,66 @@ def has_convolutions(module: nn.Module) -> bool:
 def n_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
+
+
+class SequenceClassifier(nn.Module):
+    r"""A recurrent classifier for padded variable-length sequences.
+
+    Input: (B, T, 1 + C), channel 0 a mask (1 at a sequence's valid steps,
+    left-aligned; 0 at padding), channels 1..C the features (the sequence
+    data sets' layout, :mod:`cdsgd.data.sequences`). The batch is first cut
+    to its longest sequence (so a bucketed batch costs what its own lengths
+    cost), then an LSTM or GRU runs over it and the hidden state after each
+    sequence's own last step, h_{ℓ_i}, goes through a linear layer to logits.
+
+    ``packed=True`` runs the recurrence through ``pack_padded_sequence``:
+    padded steps are not computed at all. ``packed=False`` (the default) runs
+    over the whole cut batch and picks h_{ℓ_i}: the padded steps are computed
+    but cannot reach the output, so both give the same logits and gradients
+    (to rounding). On CPU the padded form is the faster one, by far (a PLAID
+    epoch, LSTM hidden 32: 1.0 s padded, 6.3 s packed; benchmarks/bucketing.py):
+    there the cost follows the number of time steps, not of elements.
+
+    >>> m = SequenceClassifier("lstm", (6, 3), 4, hidden=8)
+    >>> x = torch.zeros(2, 6, 3); x[0, :6, 0] = 1; x[1, :2, 0] = 1
+    >>> m(x).shape
+    torch.Size([2, 4])
+    """
+
+    def __init__(self, cell: str, input_shape: Sequence[int], n_classes: int, *, hidden: int = 64,
+                 layers: int = 1, packed: bool = False) -> None:
+        super().__init__()
+        if len(input_shape) != 2 or input_shape[1] < 2:
+            raise ValueError(f"recurrent models need sequences of shape (T, 1 + C): a mask channel and C >= 1 "
+                             f"features (plaid, japanese_vowels, synthetic_seq), got input_shape {tuple(input_shape)}")
+        for key, value in (("hidden", hidden), ("layers", layers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model option {key} must be an integer >= 1, got {value!r}")
+        if not isinstance(packed, bool):
+            raise ValueError(f"model option packed must be true or false, got {packed!r}")
+        rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell]
+        self.cell, self.packed = cell, packed
+        self.rnn = rnn(input_shape[1] - 1, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = sequence_lengths(x).clamp(min=1)
+        feats = x[:, : int(lengths.max()), 1:]
+        if self.packed:
+            seq = nn.utils.rnn.pack_padded_sequence(feats, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            _, h = self.rnn(seq)
+            last = (h[0] if isinstance(h, tuple) else h)[-1]  # the top layer's state after each sequence's end
+        else:
+            out, _ = self.rnn(feats)
+            last = out[torch.arange(len(x), device=x.device), lengths - 1]
+        return self.head(last)
+
+
+@MODELS.register("lstm")
+def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False):
+    return SequenceClassifier("lstm", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed)
+
+
+@MODELS.register("gru")
+def gru(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False):
+    return SequenceClassifier("gru", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed)

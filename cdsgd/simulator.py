@@ -281,6 +281,12 @@ class Simulator:
             over its process group; the update rule and the bookkeeping are the same.
         reducer: sums across processes for evaluation (default: none needed).
         device: where parameters and data live (default: the model's device).
+        batch_stream: ``batch_stream(j, generator)`` makes agent j's endless
+            stream of index batches (``next()``, ``state_dict()``,
+            ``load_state_dict()``), e.g. a :class:`cdsgd.data.bucketing.BucketStream`;
+            default :class:`BatchStream` over agent j's shard.
+        steps_per_epoch: steps that count as one epoch (default
+            ceil(mean shard size / batch_size)).
     """
 
     def __init__(
@@ -305,6 +311,8 @@ class Simulator:
         agents: Sequence[int] | None = None,
         reducer: Reducer | None = None,
         device: str | torch.device | None = None,
+        batch_stream: Callable[[int, torch.Generator], object] | None = None,
+        steps_per_epoch: int | None = None,
         **hyper,
     ) -> None:
         self.n_agents = n = len(shards)
@@ -402,12 +410,15 @@ class Simulator:
 
         # --- data, per-agent streams (seeded by the global agent index)
         self.shards = [(shards[j][0].to(self.device), shards[j][1].to(self.device)) for j in self.agents]
-        self.streams = [BatchStream(len(shards[j][1]), self.batch_size, generator(self.seed, j, "data"))
-                        for j in self.agents]
+        if batch_stream is None:
+            def batch_stream(j, gen):
+                return BatchStream(len(shards[j][1]), self.batch_size, gen)
+        self.streams = [batch_stream(j, generator(self.seed, j, "data")) for j in self.agents]
         self.augment = augment
         self._augment_gens = [generator(self.seed, j, "augment") for j in self.agents] if augment else None
         mean_shard = sum(len(y) for _, y in shards) / n
-        self.steps_per_epoch = max(1, math.ceil(mean_shard / self.batch_size))
+        self.steps_per_epoch = (max(1, math.ceil(mean_shard / self.batch_size)) if steps_per_epoch is None
+                                else check_int("steps_per_epoch", steps_per_epoch))
         self.rng = _AgentRNG(self.seed, self.agents, self.device)
         algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
         self.state = algorithm.init_state(self.X)

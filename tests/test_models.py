@@ -1,4 +1,4 @@
-"""Every model runs forward and backward on every image shape."""
+"""Every model runs forward and backward on every shape of its kind (images, or padded sequences)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,19 @@ import torch.nn.functional as F
 from cdsgd.models import MODELS, build_model, n_parameters, vmap_blockers
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
+SEQUENCE_SHAPES = [(29, 13), (200, 2)]  # (T, mask + channels): japanese_vowels, a univariate set
+RECURRENT = ("lstm", "gru")
+CASES = [(n, s) for n in MODELS.names() for s in (SEQUENCE_SHAPES if n in RECURRENT else SHAPES)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", MODELS.names())
+@pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
 def test_forward_backward(name, shape):
     torch.manual_seed(0)
     n_classes = 100 if shape[0] == 3 else 10
     model = build_model(name, shape, n_classes)
     x = torch.randn(3, *shape)
+    if name in RECURRENT:
+        x[:, :, 0] = (torch.arange(shape[0]) < torch.tensor([[shape[0]], [1], [shape[0] // 2]])).float()
     out = model(x)
     assert out.shape == (3, n_classes)
     F.cross_entropy(out, torch.tensor([0, 1, 2])).backward()
@@ -55,7 +59,61 @@ def test_vmap_blockers():
     (lambda: build_model("mlp", (1, 8, 8), 1), r"n_classes must be an integer >= 2, got 1"),
     (lambda: build_model("mlp", (1, 0, 8), 10), r"input_shape must be positive sizes"),
     (lambda: build_model("mlp", (1, 8, 8), 10, width=3), r"model 'mlp': bad options \['width'\]"),
+    (lambda: build_model("lstm", (1, 8, 8), 10), r"recurrent models need sequences of shape \(T, 1 \+ C\)"),
+    (lambda: build_model("gru", (20, 1), 10), r"recurrent models need sequences .* got input_shape \(20, 1\)"),
+    (lambda: build_model("lstm", (20, 3), 10, hidden=0), r"model option hidden must be an integer >= 1, got 0"),
+    (lambda: build_model("lstm", (20, 3), 10, packed="yes"), r"model option packed must be true or false"),
 ])
 def test_bad_models(call, pattern):
     with pytest.raises(ValueError, match=pattern):
         call()
+
+
+def _sequences(lengths, T=24, C=3, seed=0):
+    """A padded batch in the sequence layout: mask channel, then C features, zeros after each length."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(len(lengths), T, 1 + C)
+    for i, n in enumerate(lengths):
+        x[i, :n, 0] = 1
+        x[i, :n, 1:] = torch.randn(n, C, generator=g)
+    return x
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_packed_and_padded_recurrent_models_agree(cell):
+    """Packed sequences skip padded steps; padded runs compute them but pick each sequence's own last state:
+    the same logits and gradients (to rounding)."""
+    x, y = _sequences([24, 3, 17, 1, 9]), torch.tensor([0, 1, 2, 1, 0])
+    torch.manual_seed(1)
+    packed = build_model(cell, (24, 4), 3, hidden=16, layers=2, packed=True)
+    padded = build_model(cell, (24, 4), 3, hidden=16, layers=2)
+    padded.load_state_dict(packed.state_dict())
+    outs, grads = [], []
+    for m in (packed, padded):
+        out = m(x)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        outs.append(out.detach())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in m.parameters()]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
+
+
+def test_recurrent_output_ignores_padding_and_longer_batches():
+    """A sequence's logits depend on its own steps only: not on padding values, nor on the batch's other lengths."""
+    torch.manual_seed(0)
+    m = build_model("lstm", (30, 4), 3, hidden=8)
+    x = _sequences([5, 12])
+    alone = m(x[:1, :5])  # the first sequence cut to its own length
+    noisy = x.clone()
+    noisy[0, 5:, 1:] = 7.0  # garbage where the mask says padding
+    torch.testing.assert_close(m(noisy)[0], alone[0], rtol=0, atol=1e-6)
+    # the model's hand-rolled reference: run the LSTM cell by cell over the 5 valid steps
+    h = torch.zeros(1, 8)
+    c = torch.zeros(1, 8)
+    cellwise = torch.nn.LSTMCell(3, 8)
+    cellwise.weight_ih.data, cellwise.weight_hh.data = m.rnn.weight_ih_l0.data, m.rnn.weight_hh_l0.data
+    cellwise.bias_ih.data, cellwise.bias_hh.data = m.rnn.bias_ih_l0.data, m.rnn.bias_hh_l0.data
+    for t in range(5):
+        h, c = cellwise(x[:1, t, 1:], (h, c))
+    torch.testing.assert_close(m.head(h)[0], alone[0], rtol=0, atol=1e-6)
+    assert "recurrent" in vmap_blockers(m)[0]

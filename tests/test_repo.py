@@ -23,7 +23,8 @@ def test_topologies_does_not_import_torch():
     "module",
     ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
      "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator", "cdsgd.config",
-     "cdsgd.data.partition", "cdsgd.data.datasets"],
+     "cdsgd.data.partition", "cdsgd.data.datasets", "cdsgd.data.bucketing", "cdsgd.data.sequences",
+     "cdsgd.checkpoint"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -9,5 +9,7 @@ from .datasets import *  # noqa: F401,F403
 from .datasets import __all__ as _datasets_all
 from .partition import *  # noqa: F401,F403
 from .partition import __all__ as _partition_all
+from .sequences import *  # noqa: F401,F403
+from .sequences import __all__ as _sequences_all
 
-__all__ = [*_datasets_all, *_partition_all]
+__all__ = [*_datasets_all, *_partition_all, *_sequences_all]
