@@ -169,7 +169,9 @@ class SequenceClassifier(nn.Module):
     padded steps are not computed at all. ``packed=False`` (the default) runs
     over the whole cut batch and picks h_{ℓ_i}: the padded steps are computed
     but cannot reach the output, so both give the same logits and gradients
-    (to rounding). On CPU the padded form is the faster one, by far (a PLAID
+    (to rounding). ``trim=False`` skips the cut: every batch runs over the
+    data set's full padded length, the fixed-shape baseline bucketing is
+    measured against. On CPU the padded form is the faster one, by far (a PLAID
     epoch, LSTM hidden 32: 1.0 s padded, 6.3 s packed; benchmarks/bucketing.py):
     there the cost follows the number of time steps, not of elements.
 
@@ -180,7 +182,7 @@ class SequenceClassifier(nn.Module):
     """
 
     def __init__(self, cell: str, input_shape: Sequence[int], n_classes: int, *, hidden: int = 64,
-                 layers: int = 1, packed: bool = False) -> None:
+                 layers: int = 1, packed: bool = False, trim: bool = True) -> None:
         super().__init__()
         if len(input_shape) != 2 or input_shape[1] < 2:
             raise ValueError(f"recurrent models need sequences of shape (T, 1 + C): a mask channel and C >= 1 "
@@ -188,16 +190,17 @@ class SequenceClassifier(nn.Module):
         for key, value in (("hidden", hidden), ("layers", layers)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model option {key} must be an integer >= 1, got {value!r}")
-        if not isinstance(packed, bool):
-            raise ValueError(f"model option packed must be true or false, got {packed!r}")
+        for key, value in (("packed", packed), ("trim", trim)):
+            if not isinstance(value, bool):
+                raise ValueError(f"model option {key} must be true or false, got {value!r}")
         rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell]
-        self.cell, self.packed = cell, packed
+        self.cell, self.packed, self.trim = cell, packed, trim
         self.rnn = rnn(input_shape[1] - 1, hidden, layers, batch_first=True)
         self.head = nn.Linear(hidden, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lengths = sequence_lengths(x).clamp(min=1)
-        feats = x[:, : int(lengths.max()), 1:]
+        feats = x[:, : int(lengths.max()), 1:] if self.trim else x[:, :, 1:]
         if self.packed:
             seq = nn.utils.rnn.pack_padded_sequence(feats, lengths.cpu(), batch_first=True, enforce_sorted=False)
             _, h = self.rnn(seq)
@@ -209,10 +212,12 @@ class SequenceClassifier(nn.Module):
 
 
 @MODELS.register("lstm")
-def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False):
-    return SequenceClassifier("lstm", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed)
+def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False, trim: bool = True):
+    return SequenceClassifier("lstm", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed,
+                              trim=trim)
 
 
 @MODELS.register("gru")
-def gru(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False):
-    return SequenceClassifier("gru", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed)
+def gru(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False, trim: bool = True):
+    return SequenceClassifier("gru", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed,
+                              trim=trim)

@@ -34,7 +34,6 @@ may be shorter), then the batches of all buckets are put in a random order.
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 
 from topologies import Registry
 
+from ..algorithms import check_int
 from ..seeding import generator
 
 __all__ = [
@@ -67,12 +67,6 @@ _BLOCK = 1 << 21
 
 # --------------------------------------------------------------------------
 # validation at the door
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def _int_array(name: str, values, *, what: str = "positive integers") -> np.ndarray:
@@ -160,7 +154,7 @@ def optimal_bucket_boundaries(lengths, n_buckets: int) -> list[int]:
     [1, 3]
     """
     arr = _lengths(lengths)
-    n_buckets = _check_int("n_buckets", n_buckets, 1)
+    n_buckets = check_int("n_buckets", n_buckets, 1)
     v, c = np.unique(arr, return_counts=True)
     m = len(v)
     if int(v[-1]) * len(arr) >= _COST_LIMIT:
@@ -217,7 +211,7 @@ def quantile_bucket_boundaries(lengths, n_buckets: int) -> list[int]:
     [1, 9]
     """
     arr = np.sort(_lengths(lengths))
-    K = _check_int("n_buckets", n_buckets, 1)
+    K = check_int("n_buckets", n_buckets, 1)
     n = len(arr)
     idx = [-(-k * n // K) - 1 for k in range(1, K + 1)]
     return np.unique(arr[idx]).tolist()
@@ -237,7 +231,7 @@ def uniform_bucket_boundaries(lengths, n_buckets: int) -> list[int]:
     [2, 3, 4, 5]
     """
     v = np.unique(_lengths(lengths))
-    K = _check_int("n_buckets", n_buckets, 1)
+    K = check_int("n_buckets", n_buckets, 1)
     lo, span = int(v[0]), int(v[-1] - v[0])
     # lengths are integers, so "≥ e_k" is "≥ ⌈e_k⌉", computed exactly in integers
     edges = [lo - (-(span * k) // K) for k in range(1, K + 1)]
@@ -257,7 +251,7 @@ def bucket_boundaries(lengths, n_buckets: int, rule: str = "optimal") -> list[in
     ValueError: bucketing rule 'optmal' is unknown; did you mean 'optimal'? Known: optimal, quantile, uniform
     """
     fn = BUCKET_RULES.get(rule)
-    n_buckets = _check_int("n_buckets", n_buckets, 0)
+    n_buckets = check_int("n_buckets", n_buckets, 0)
     return fn(lengths, max(1, n_buckets))
 
 
@@ -384,19 +378,19 @@ class BucketBatchSampler:
 
     def __init__(self, lengths, batch_size: int, boundaries, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False) -> None:
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.seed = _check_int("seed", seed, 0)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.seed = check_int("seed", seed, 0)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self._buckets = _buckets(lengths, boundaries)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` yields."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int("epoch", epoch, 0)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """Epoch ``epoch``'s batches (does not change :attr:`epoch`)."""
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = check_int("epoch", epoch, 0)
         gen = generator(self.seed, "bucketing", epoch) if self.shuffle else None
         return [b.tolist() for b in _epoch(self._buckets, self.batch_size, self.drop_last, gen)]
 
@@ -424,7 +418,7 @@ class BucketStream:
     """
 
     def __init__(self, lengths, batch_size: int, boundaries, gen: torch.Generator) -> None:
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self._buckets = _buckets(lengths, boundaries)
         self.n = sum(len(b) for b in self._buckets)
         self.gen = gen
