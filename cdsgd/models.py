@@ -21,6 +21,9 @@ the first dense layer is found by a dry run.
                the state after each sequence's last step, a linear layer;
                ``packed`` (default false) skips padded steps
 ``gru``        the same with a GRU
+``pgru``       the same with the implicit GRU of Moon & Cyr, its recurrence
+               serial or solved by MGRIT over time (``mode``, ``cf``,
+               ``levels``, ``iters``; :mod:`cdsgd.mgrit`)
 =============  =============================================================
 
 >>> m = build_model("cnn", (1, 28, 28), 10)
@@ -141,7 +144,7 @@ def vmap_blockers(module: nn.Module) -> list[str]:
         reasons.append("it has dropout (each agent needs its own random stream)")
     if any(True for _ in module.buffers()):
         reasons.append("it has buffers such as batch-norm statistics (kept per agent)")
-    if any(isinstance(m, nn.RNNBase) for m in module.modules()):
+    if any(isinstance(m, (nn.RNNBase, SequenceClassifier)) for m in module.modules()):
         reasons.append("it is recurrent (each batch is cut to its own longest sequence: shapes vary per agent)")
     return reasons
 
@@ -182,7 +185,7 @@ class SequenceClassifier(nn.Module):
     """
 
     def __init__(self, cell: str, input_shape: Sequence[int], n_classes: int, *, hidden: int = 64,
-                 layers: int = 1, packed: bool = False, trim: bool = True) -> None:
+                 layers: int = 1, packed: bool = False, trim: bool = True, mgrit: dict | None = None) -> None:
         super().__init__()
         if len(input_shape) != 2 or input_shape[1] < 2:
             raise ValueError(f"recurrent models need sequences of shape (T, 1 + C): a mask channel and C >= 1 "
@@ -193,10 +196,24 @@ class SequenceClassifier(nn.Module):
         for key, value in (("packed", packed), ("trim", trim)):
             if not isinstance(value, bool):
                 raise ValueError(f"model option {key} must be true or false, got {value!r}")
-        rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell]
         self.cell, self.packed, self.trim = cell, packed, trim
-        self.rnn = rnn(input_shape[1] - 1, hidden, layers, batch_first=True)
+        if cell == "pgru":  # the implicit GRU of cdsgd.mgrit, serial or solved by MGRIT over time
+            from .mgrit import ParallelGRU
+
+            if layers != 1 or packed:
+                raise ValueError(f"model 'pgru' is one layer and not packed, got layers={layers}, packed={packed}")
+            self.rnn = ParallelGRU(input_shape[1] - 1, hidden, **(mgrit or {}))
+        else:
+            rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell]
+            self.rnn = rnn(input_shape[1] - 1, hidden, layers, batch_first=True)
         self.head = nn.Linear(hidden, n_classes)
+
+    def _mgrit_padding(self, T: int) -> int:
+        """Steps to add so that MGRIT's grids fit: T a multiple of m = cf^(levels−1), and at least 2m."""
+        if self.cell != "pgru" or self.rnn.mode == "serial":
+            return 0
+        m = self.rnn.cf ** (self.rnn.levels - 1)
+        return max(2 * m, -(-T // m) * m) - T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lengths = sequence_lengths(x).clamp(min=1)
@@ -206,6 +223,9 @@ class SequenceClassifier(nn.Module):
             _, h = self.rnn(seq)
             last = (h[0] if isinstance(h, tuple) else h)[-1]  # the top layer's state after each sequence's end
         else:
+            pad = self._mgrit_padding(feats.shape[1])
+            if pad:  # steps after a sequence's end cannot reach its state at its end
+                feats = nn.functional.pad(feats, (0, 0, 0, pad))
             out, _ = self.rnn(feats)
             last = out[torch.arange(len(x), device=x.device), lengths - 1]
         return self.head(last)
@@ -215,6 +235,14 @@ class SequenceClassifier(nn.Module):
 def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False, trim: bool = True):
     return SequenceClassifier("lstm", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed,
                               trim=trim)
+
+
+@MODELS.register("pgru")
+def pgru(input_shape, n_classes, hidden: int = 64, mode: str = "mgrit", cf: int = 4, levels: int = 2, iters: int = 2,
+         fcf: bool = True, trim: bool = True):
+    """The implicit GRU of Moon & Cyr (cdsgd.mgrit.ParallelGRU): ``mode`` "serial" or "mgrit" (docs/parallel-in-time.md)."""
+    return SequenceClassifier("pgru", input_shape, n_classes, hidden=hidden, trim=trim,
+                              mgrit={"mode": mode, "cf": cf, "levels": levels, "iters": iters, "fcf": fcf})
 
 
 @MODELS.register("gru")

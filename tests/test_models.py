@@ -10,7 +10,7 @@ from cdsgd.models import MODELS, build_model, n_parameters, vmap_blockers
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 SEQUENCE_SHAPES = [(29, 13), (200, 2)]  # (T, mask + channels): japanese_vowels, a univariate set
-RECURRENT = ("lstm", "gru")
+RECURRENT = ("lstm", "gru", "pgru")
 CASES = [(n, s) for n in MODELS.names() for s in (SEQUENCE_SHAPES if n in RECURRENT else SHAPES)]
 
 

@@ -126,3 +126,19 @@ def test_runtime_with_bucketing_agrees_with_the_simulator(tmp_path):
     a, b = json.loads((sim / "summary.json").read_text()), json.loads((tor / "summary.json").read_text())
     assert a["steps_per_epoch"] == b["steps_per_epoch"]
     assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-3)
+
+
+def test_pgru_learns_and_converged_mgrit_trains_like_the_serial_recurrence(tmp_path):
+    """model=pgru: MGRIT with enough FCF iterations (japanese_vowels: T <= 32, cf 4: 8 intervals, 4 iterations
+    make all exact) trains as the serial implicit GRU, to rounding; 2 iterations still learn."""
+    base = [*VOWELS, "model=pgru", "epochs=3", "save_params=true"]
+    serial = _quiet(load_config(overrides=[*base, "model_params={hidden = 16, mode = 'serial'}",
+                                           f"out={tmp_path / 's'}"]))
+    exact = _quiet(load_config(overrides=[*base, "model_params={hidden = 16, cf = 4, iters = 4}",
+                                          f"out={tmp_path / 'm'}"]))
+    torch.testing.assert_close(torch.load(tmp_path / "m" / "params.pt"), torch.load(tmp_path / "s" / "params.pt"),
+                               rtol=0, atol=1e-4)
+    assert exact["test_accuracy"] == pytest.approx(serial["test_accuracy"], abs=0.01)
+    cheap = _quiet(load_config(overrides=[*VOWELS, "model=pgru", "epochs=30", "eval_every=30",
+                                          "model_params={hidden = 32, iters = 2}", f"out={tmp_path / 'c'}"]))
+    assert cheap["test_accuracy"] >= 0.85, cheap

@@ -1,0 +1,167 @@
+r"""Parallel-in-time GRU: serial recurrence vs MGRIT, side by side in one run.
+
+Run::
+
+    python benchmarks/mgrit.py [--lengths 256 1024 4096 16384] [--train-epochs 4] [--quick]
+
+Table 1, for T in ``--lengths`` and (hidden, batch) in {(32, 8), (128, 32)}:
+the wall-clock of one forward + backward pass of the implicit GRU
+(``cdsgd.mgrit``) over a random sequence, loss Σ_t ⟨h_t, r_t⟩ with random
+r: the serial loop (autograd), MGRIT in one process (vectorised over the
+fine-grid intervals; coarsening 8, 2 levels, FCF, 2 or 3 iterations), and MGRIT
+across 2 gloo processes on 127.0.0.1 (each owning half of the time
+intervals, one thread each) when ``cdsgd.mgrit`` provides it; the speedup
+over serial, the iterations, and the relative errors of the states and the
+parameter gradients against the serial pass (‖·‖₂ / ‖serial‖₂).
+
+Table 2, training (``--train-epochs``): ``model=pgru`` serial vs MGRIT on a
+long-sequence task (``synthetic_seq`` with mean length 1000, up to 4000)
+and on PLAID: the simulator on one agent, the same seed, test accuracy and
+wall-clock of each.
+
+One thread per process throughout (``torch.set_num_threads(1)``), so the
+1-process and 2-process columns use the same compute per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from cdsgd import mgrit  # noqa: E402
+
+CF, LEVELS, ITERS = 8, 2, (2, 3)
+
+
+def _problem(T, hidden, batch, seed=0):
+    torch.manual_seed(seed)
+    cell = mgrit.ImplicitGRUCell(8, hidden)
+    x = torch.randn(batch, T, 8)
+    r = torch.randn(batch, T, hidden)
+    return cell, x, r
+
+
+def _timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _pass(cell, x, r, forward):
+    cell.zero_grad()
+    H = forward(cell, x)
+    (H * r).sum().backward()
+    return H.detach(), torch.cat([p.grad.reshape(-1) for p in cell.parameters()])
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _two_processes(T, hidden, batch, iters, repeats):
+    """(seconds, states error, gradient error) of MGRIT over 2 gloo processes, or None if unavailable."""
+    dist_fn = getattr(mgrit, "mgrit_gru_distributed", None)
+    if dist_fn is None:
+        return None
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_harness import run_ranks
+
+    results = run_ranks(_rank_pass, 2, T, hidden, batch, iters, repeats, timeout=1800)
+    return results[0]
+
+
+def _rank_pass(rank, world, T, hidden, batch, iters, repeats):
+    torch.set_num_threads(1)
+    cell, x, r = _problem(T, hidden, batch)
+    ref_H, ref_g = _pass(cell, x, r, lambda c, xx: mgrit.serial_forward(c, xx))
+    fn = mgrit.mgrit_gru_distributed
+
+    def one():
+        cell.zero_grad()
+        H = fn(cell, x, None, cf=CF, levels=LEVELS, iters=iters, fcf=True, gather=True)
+        (H * r).sum().backward()
+        return H.detach(), torch.cat([p.grad.reshape(-1) for p in cell.parameters()])
+
+    secs, (H, g) = _timed(one, repeats)
+    return secs, _rel(H, ref_H), _rel(g, ref_g)
+
+
+def table_speed(lengths, quick):
+    print("| T | hidden | batch | iters | serial s | MGRIT 1 proc s | speedup | MGRIT 2 procs s | speedup | "
+          "state err | grad err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for hidden, batch in ((32, 8), (128, 32)):
+        for T in lengths:
+            repeats = 1 if quick or T >= 16384 else 3
+            cell, x, r = _problem(T, hidden, batch)
+            serial_s, (H0, g0) = _timed(lambda: _pass(cell, x, r, lambda c, xx: mgrit.serial_forward(c, xx)),
+                                        repeats)
+            for iters in ITERS:
+                fwd = lambda c, xx: mgrit.mgrit_gru(c, xx, cf=CF, levels=LEVELS, iters=iters, fcf=True)  # noqa: E731
+                m_s, (H1, g1) = _timed(lambda: _pass(cell, x, r, fwd), repeats)
+                two = _two_processes(T, hidden, batch, iters, repeats)
+                two_cols = f"{two[0]:.3f} | {serial_s / two[0]:.2f}x" if two else "n/a | "
+                print(f"| {T} | {hidden} | {batch} | {iters} | {serial_s:.3f} | {m_s:.3f} | {serial_s / m_s:.2f}x | "
+                      f"{two_cols} | {_rel(H1, H0):.1e} | {_rel(g1, g0):.1e} |", flush=True)
+
+
+def table_training(epochs):
+    from cdsgd.data import load_dataset
+    from cdsgd.models import build_model
+    from cdsgd.simulator import Simulator
+
+    print("\n| data set | recurrence | epochs | test acc | test loss | wall s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    sets = {
+        "synthetic_seq (mean length 1000)": load_dataset("synthetic_seq", "data", n_train=256, n_test=128,
+                                                         mean_length=1000.0, min_length=200, max_length=4000),
+        "plaid": load_dataset("plaid", "data"),
+    }
+    for name, ds in sets.items():
+        base = None
+        for mode in ("serial", "mgrit"):
+            def model_fn():
+                return build_model("pgru", ds.input_shape, ds.n_classes, hidden=32, mode=mode, cf=CF,
+                                   levels=LEVELS, iters=ITERS[-1])
+
+            sim = Simulator(model_fn, [ds.train], None, "msgd", lr=0.05, momentum=0.9, batch_size=32, seed=0,
+                            test_set=ds.test)
+            t0 = time.perf_counter()
+            row = sim.run(epochs=epochs, eval_every=epochs * sim.steps_per_epoch)[-1]
+            secs = time.perf_counter() - t0
+            base = secs if base is None else base
+            print(f"| {name} | {mode} | {epochs} | {row['test_accuracy']:.3f} | {row['test_loss']:.3f} | "
+                  f"{secs:.1f} | {base / secs:.2f}x |", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument("--train-epochs", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="one repeat, T up to 1024, no training table")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    lengths = [T for T in args.lengths if not args.quick or T <= 1024]
+    print(f"# benchmarks/mgrit.py  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  "
+          f"1 thread per process; MGRIT cf {CF}, {LEVELS} levels, FCF, {' or '.join(map(str, ITERS))} iterations\n")
+    table_speed(lengths, args.quick)
+    if not args.quick and args.train_epochs:
+        table_training(args.train_epochs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
