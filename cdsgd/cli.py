@@ -134,8 +134,6 @@ def _add_run(sub) -> None:
 
 
 def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
-    import os
-
     path, overrides = None, []
     for i, a in enumerate(args):
         if i == 0 and (a.endswith(".toml") or os.path.isfile(a)):
@@ -150,8 +148,6 @@ def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _cmd_run(args) -> int:
-    import os
-
     from .config import dump_config, load_config
     from .experiment import run_experiment, validate_config
 
@@ -230,7 +226,6 @@ def launch_argv(args, overrides: list[str], path: str | None) -> list[str]:
 
 
 def _cmd_launch(args) -> int:
-    import os
     import time
 
     from .config import load_config

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 import topologies
@@ -43,7 +42,7 @@ from . import checkpoint as ckpt
 from .algorithms import ALGORITHMS, algorithm_params, make_algorithm
 from .config import Config, dump_config, load_config, short_value
 from .data import DATASETS, PARTITIONS, load_dataset, partition, random_crop_flip, sequence_lengths
-from .data.bucketing import BUCKET_RULES, BucketStream, bucket_boundaries, bucket_of
+from .data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
 from .models import MODELS, build_model
 from .seeding import generator
 from .simulator import METRIC_COLUMNS, STRATEGIES, INITS, Simulator
@@ -65,8 +64,12 @@ def _choice(key: str, value: str, allowed) -> None:
         raise topologies.unknown_name_error(key, value, allowed)
 
 
-def validate_config(cfg: Config) -> None:
-    """Refuse bad names and values before any data is loaded."""
+def validate_config(cfg: Config) -> tuple:
+    """Refuse bad names and values before any data is loaded.
+
+    Returns the graph and its mixing matrix ``(G, W)``, built to check them
+    (so that :func:`prepare` need not build them again).
+    """
     ALGORITHMS.get(cfg.algorithm)
     _choice("executor", cfg.executor, EXECUTORS)
     topologies.RULES.get(cfg.mixing)
@@ -92,7 +95,8 @@ def validate_config(cfg: Config) -> None:
     BUCKET_RULES.get(cfg.bucket_rule)
     make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, schedule... checked by the rule itself
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
-    topologies.mixing_matrix(topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params), cfg.mixing)
+    G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
+    W = topologies.mixing_matrix(G, cfg.mixing)
     _choice("checkpoint_unit", cfg.checkpoint_unit, CHECKPOINT_UNITS)
     if cfg.checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
@@ -102,6 +106,7 @@ def validate_config(cfg: Config) -> None:
     _choice("device", cfg.device, ("cpu", "cuda"))
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
+    return G, W
 
 
 def hyperparameters(cfg: Config) -> dict:
@@ -127,9 +132,7 @@ def _subset(x: torch.Tensor, y: torch.Tensor, k: int, seed: int, what: str):
 
 def prepare(cfg: Config) -> dict:
     """Everything a run needs, built from the config: graph, W, data, shards, model factory."""
-    validate_config(cfg)
-    G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
-    W = topologies.mixing_matrix(G, cfg.mixing)
+    G, W = validate_config(cfg)
     gap = topologies.spectral_gap(W)
     ds = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
     train_x, train_y = _subset(*ds.train, cfg.train_subset, cfg.seed, "train_subset")
@@ -162,8 +165,7 @@ def _bucketed_streams(cfg: Config, ds, shards) -> dict:
                          f"synthetic_seq), not {cfg.dataset!r} with inputs of shape {ds.input_shape}")
     lengths = [sequence_lengths(x).numpy() for x, _ in shards]
     bounds = [bucket_boundaries(ln, cfg.bucketing, cfg.bucket_rule) for ln in lengths]
-    per_pass = [int(sum(math.ceil(c / cfg.batch_size) for c in np.bincount(bucket_of(ln, b)) if c))
-                for ln, b in zip(lengths, bounds)]
+    per_pass = [len(BucketBatchSampler(ln, cfg.batch_size, b)) for ln, b in zip(lengths, bounds)]
     return {
         "batch_stream": lambda j, gen: BucketStream(lengths[j], cfg.batch_size, bounds[j], gen),
         "steps_per_epoch": max(1, math.ceil(sum(per_pass) / len(per_pass))),
