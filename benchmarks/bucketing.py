@@ -2,7 +2,7 @@ r"""Sequence bucketing: padding, epoch time and validation loss, side by side in
 
 Run::
 
-    python benchmarks/bucketing.py [--datasets plaid synthetic_seq] [--epochs 8] [--hidden 32]
+    python benchmarks/bucketing.py [--datasets plaid synthetic_seq] [--epochs 8] [--hidden 32] [--cost-model]
 
 For each data set (PLAID from sktime's files, and ``synthetic_seq``) and an
 LSTM classifier trained by the simulator on one agent (``msgd``, batch 32),
@@ -82,11 +82,51 @@ def epoch_seconds(sim, repeats: int = 3) -> float:
     return best
 
 
+def cost_model(ds, lengths, hidden) -> None:
+    """Why epoch time follows time steps, not padded elements, for a CPU LSTM.
+
+    Prints, per batching of one epoch, the sum over batches of the batch's
+    longest sequence (the time steps the recurrence runs) next to the padded
+    elements, and the time of one LSTM forward + backward at T = 400 for
+    batch 8 against batch 32.
+    """
+    print("\n| batching | batches | Σ longest per batch (steps) | elements computed | of them padding |")
+    print("|---|---|---|---|---|")
+    cases = [(f"{k} optimal bucket(s)", list(BucketBatchSampler(lengths, BATCH, bucket_boundaries(lengths, k),
+                                                               seed=0))) for k in (1, 8)]
+    order = np.argsort(lengths, kind="stable")
+    cases.append(("sorted by length", [order[i:i + BATCH].tolist() for i in range(0, len(order), BATCH)]))
+    for label, batches in cases:
+        steps = sum(int(lengths[b].max()) for b in batches)
+        computed = sum(len(b) * int(lengths[b].max()) for b in batches)
+        print(f"| {label} | {len(batches)} | {steps} | {computed} | {computed - int(lengths.sum())} |")
+    rnn = torch.nn.LSTM(ds.input_shape[1] - 1, hidden, batch_first=True)
+    secs = {}
+    for b in (8, 32):
+        x = torch.randn(b, 400, ds.input_shape[1] - 1)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            rnn(x)[0].sum().backward()
+            best = min(best, time.perf_counter() - t0)
+        secs[b] = best
+    big = np.clip(np.random.default_rng(0).lognormal(np.log(300), 0.8, 100_000).round(), 1, 2000).astype(int)
+    for k in (8, 16):
+        t0 = time.perf_counter()
+        bucket_boundaries(big, k)
+        print(f"optimal boundaries for 10^5 log-normal lengths ({len(np.unique(big))} distinct), K = {k}: "
+              f"{time.perf_counter() - t0:.2f} s")
+    print(f"\nLSTM forward + backward at T = 400: batch 8 {secs[8] * 1e3:.1f} ms, batch 32 {secs[32] * 1e3:.1f} ms "
+          f"(batch 8 costs {secs[8] / secs[32]:.0%} of batch 32)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["plaid", "synthetic_seq"])
     parser.add_argument("--epochs", type=int, default=8, help="training epochs for the validation loss")
     parser.add_argument("--hidden", type=int, default=32, help="LSTM hidden size (default 32)")
+    parser.add_argument("--cost-model", action="store_true",
+                        help="only the cost-model table: steps vs padded elements per epoch (seconds)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"# benchmarks/bucketing.py  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  "
@@ -97,6 +137,9 @@ def main(argv=None) -> int:
         lengths = sequence_lengths(ds.train[0]).numpy()
         print(f"\n## {name}: {len(lengths)} training sequences, lengths {lengths.min()}..{lengths.max()} "
               f"(mean {lengths.mean():.0f}), {ds.n_classes} classes, {ds.input_shape[1] - 1} channel(s)\n")
+        if args.cost_model:
+            cost_model(ds, lengths, args.hidden)
+            continue
         print("| buckets | rule | boundaries | padded | epoch s | speedup vs fixed | vs trimmed | val loss | val acc |")
         print("|---|---|---|---|---|---|---|---|---|")
 

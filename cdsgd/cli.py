@@ -196,7 +196,9 @@ def _add_launch(sub) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None,
                    help="port on node 0 (default on one node: a free port; required for several nodes)")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun's elastic restarts (default 0)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun's elastic restarts after a rank fails (default 0); restarted ranks resume "
+                   "from the latest complete checkpoint (checkpoint_every=...)")
     p.set_defaults(func=_cmd_launch)
 
 

@@ -175,7 +175,7 @@ class SequenceClassifier(nn.Module):
     (to rounding). ``trim=False`` skips the cut: every batch runs over the
     data set's full padded length, the fixed-shape baseline bucketing is
     measured against. On CPU the padded form is the faster one, by far (a PLAID
-    epoch, LSTM hidden 32: 1.0 s padded, 6.3 s packed; benchmarks/bucketing.py):
+    epoch, LSTM hidden 32: 0.93 s padded, 6.31 s packed; benchmarks/bucketing.py):
     there the cost follows the number of time steps, not of elements.
 
     >>> m = SequenceClassifier("lstm", (6, 3), 4, hidden=8)
