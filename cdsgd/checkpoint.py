@@ -30,11 +30,13 @@ world size or rank is a ValueError naming the file and what differs.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from .config import VOLATILE_KEYS
+from .files import atomic_write
 
 __all__ = ["FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk", "load", "prune",
            "config_for_checkpoint", "config_mismatch", "remove_all"]
@@ -42,8 +44,6 @@ __all__ = ["FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk"
 #: the format tag every checkpoint carries
 FORMAT = "cdsgd-checkpoint/1"
 
-#: config keys that may differ between a run and its resumption (where and how, not what, is computed)
-VOLATILE_KEYS = ("out", "overwrite", "resume", "comm_timeout", "checkpoint_every", "checkpoint_unit", "download")
 
 
 def _root(out) -> Path:
@@ -55,31 +55,12 @@ def checkpoint_path(out, step: int, rank: int) -> Path:
     return _root(out) / f"step-{step:09d}" / f"rank-{rank}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(out, step: int, rank: int, payload: dict) -> Path:
     """Write ``payload`` (plus the format tag, step and rank) as rank's checkpoint of ``step``, atomically."""
     path = checkpoint_path(out, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save({**payload, "format": FORMAT, "step": int(step), "rank": int(rank)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return path
+    return atomic_write(path, lambda f: torch.save({**payload, "format": FORMAT, "step": int(step),
+                                                    "rank": int(rank)}, f))
 
 
 def steps_on_disk(out, rank: int) -> list[int]:

@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
+from .testing import free_port  # noqa: F401 - also public here, as before
 
 __all__ = ["main", "build_parser"]
 
@@ -21,28 +22,17 @@ EPILOG = """exit status: 0 success, 1 runtime failure, 2 bad usage or invalid in
 Run 'cdsgd VERB --help' for a verb's options."""
 
 
-def _parse_value(text: str):
-    """A --param value: int, float, true/false/none, else the string itself."""
-    low = text.lower()
-    if low in ("none", "null"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
 def _parse_params(pairs: Sequence[str]) -> dict:
+    """``--param KEY=VALUE`` pairs, each value read as a config override's is (a TOML value, else the text)."""
+    from .config import parse_override
+
     params = {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param expects KEY=VALUE, got {pair!r}")
-        params[key.strip()] = _parse_value(value.strip())
+        try:
+            key, value = parse_override(pair)
+        except ValueError:
+            raise ValueError(f"--param expects KEY=VALUE, got {pair!r}") from None
+        params[key] = value
     return params
 
 
@@ -153,11 +143,11 @@ def _cmd_run(args) -> int:
 
     path, overrides = _split_run_args(args.args)
     cfg = load_config(path, overrides)
-    validate_config(cfg)
+    plan = validate_config(cfg)
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    summary = run_experiment(cfg, progress=False if args.no_progress else None)
+    summary = run_experiment(cfg, progress=False if args.no_progress else None, plan=plan)
     if cfg.executor == "torch" and os.environ.get("RANK", "0") != "0":
         return 0  # rank 0 reports for everyone
     def num(key, fmt):  # NaN is stored as null in summary.json (e.g. a diverged run)
@@ -200,16 +190,6 @@ def _add_launch(sub) -> None:
                    help="torchrun's elastic restarts after a rank fails (default 0); restarted ranks resume "
                    "from the latest complete checkpoint (checkpoint_every=...)")
     p.set_defaults(func=_cmd_launch)
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A port that is free on ``addr`` now (never 0: torchrun hangs on port 0)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def launch_argv(args, overrides: list[str], path: str | None) -> list[str]:

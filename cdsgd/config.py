@@ -28,7 +28,32 @@ from typing import Any, Sequence
 
 from topologies import unknown_name_error
 
-__all__ = ["Config", "load_config", "dump_config", "parse_override", "config_keys", "short_value"]
+__all__ = ["Config", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges", "config_keys", "dump_config", "key",
+           "key_info", "load_config", "parse_override", "short_value", "toml_value"]
+
+
+
+def key(default: Any, help: str, *, choices: Sequence[str] = (), registry: str = "", low: float | None = None,
+        above: float | None = None, note: str = "", unit: str = "", volatile: bool = False,
+        identity: bool = False, unset: Any = None, overridden_by: str = ""):
+    """A config field with everything known about it, declared once, next to the field.
+
+    ``help`` is the text of ``--help`` and docs; ``choices`` the allowed
+    names, or ``registry`` the registry that holds them (resolved by the
+    validation door, :func:`cdsgd.plan.validate_config`); ``low`` (>=) or
+    ``above`` (>) a bound, with ``note``/``unit`` for its message;
+    ``volatile``: where or how, not what, is computed (may differ between a
+    run and its resumption, and never identifies a run); ``identity``: names
+    the run in summaries; ``unset``: the value that means "not given" to the
+    algorithm (None: every value is given); ``overridden_by``: another key that, when given, makes this
+    one not passed to the algorithm.
+    """
+    meta = {"help": help, "choices": tuple(choices), "registry": registry, "low": low, "above": above,
+            "note": note, "unit": unit, "volatile": volatile, "identity": identity, "unset": unset,
+            "overridden_by": overridden_by}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -36,69 +61,111 @@ class Config:
     """A run's settings. Defaults: the README's main job (digits, 5 agents, ring, CDMSGD)."""
 
     # --- algorithm and executor
-    algorithm: str = "cdmsgd"  # cdsgd | cdmsgd | sgd | msgd | fedavg | local
-    executor: str = "sim"  # sim: all agents in one process; torch: one torchrun rank per agent
-    device: str = "cpu"  # cpu (gloo between ranks) | cuda (nccl between ranks)
-    comm_timeout: float = 120.0  # seconds any wait on a neighbour or collective may take (torch executor)
-    overlap: bool = True  # exchange parameters during the backward pass (False: after it, for measurement)
+    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | sgd | msgd | fedavg | local",
+                         registry="algorithm", identity=True)
+    executor: str = key("sim", "sim: all agents in one process; torch: one torchrun rank per agent",
+                        choices=("sim", "torch"))
+    device: str = key("cpu", "cpu (gloo between ranks) | cuda (nccl between ranks)", choices=("cpu", "cuda"))
+    comm_timeout: float = key(120.0, "seconds any wait on a neighbour or collective may take (torch executor)",
+                              above=0, unit=" seconds", volatile=True)
+    overlap: bool = key(True, "exchange parameters during the backward pass (False: after it, for measurement)")
     # --- communication graph
-    topology: str = "ring"  # builder name (ring, torus, complete, ...) or a graph file path
-    topology_params: dict = field(default_factory=dict)  # builder parameters, e.g. {p = 0.3, seed = 1}
-    n_agents: int = 5
-    mixing: str = "metropolis"  # weight rule: metropolis | max_degree | lazy_metropolis | uniform | weight
+    topology: str = key("ring", "builder name (ring, torus, complete, ...) or a graph file path", identity=True)
+    topology_params: dict = key({}, "builder parameters, e.g. {p = 0.3, seed = 1}")
+    n_agents: int = key(5, "number of agents", low=1, identity=True)
+    mixing: str = key("metropolis", "weight rule: metropolis | max_degree | lazy_metropolis | uniform | weight",
+                      registry="mixing", identity=True)
     # --- data
-    dataset: str = "digits"  # digits | mnist | fashion-mnist | cifar10 | cifar100 | synthetic
-    data_dir: str = "data"  # where data files are looked for (and downloaded to)
-    download: bool = False  # fetch missing MNIST/Fashion-MNIST/CIFAR files (SHA-256 verified)
-    partition: str = "iid"  # iid | classes | dirichlet
-    dirichlet_alpha: float = 0.5  # Dirichlet concentration (partition = "dirichlet")
-    min_shard_size: int = 10  # least samples per agent (partition = "dirichlet")
-    train_subset: int = 0  # use only this many training samples (0: all), a seeded random subset
-    test_subset: int = 0  # evaluate on this many test samples (0: all), a seeded random subset
-    augment: bool = False  # random crop + horizontal flip per batch (image data sets)
-    bucketing: int = 0  # sequence data: batches from this many length buckets per agent (0 or 1: off)
-    bucket_rule: str = "optimal"  # bucket boundaries: optimal (least padding) | quantile | uniform
+    dataset: str = key("digits", "digits | mnist | fashion-mnist | cifar10 | cifar100 | synthetic | plaid | "
+                       "japanese_vowels | synthetic_seq", registry="dataset", identity=True)
+    data_dir: str = key("data", "where data files are looked for (and downloaded to)")
+    download: bool = key(False, "fetch missing MNIST/Fashion-MNIST/CIFAR files (SHA-256 verified)", volatile=True)
+    partition: str = key("iid", "iid | classes | dirichlet", registry="partition", identity=True)
+    dirichlet_alpha: float = key(0.5, "Dirichlet concentration (partition = \"dirichlet\")", above=0)
+    min_shard_size: int = key(10, "least samples per agent (partition = \"dirichlet\")", low=1)
+    train_subset: int = key(0, "use only this many training samples (0: all), a seeded random subset",
+                            low=0, note=" (0 means all/off)")
+    test_subset: int = key(0, "evaluate on this many test samples (0: all), a seeded random subset",
+                           low=0, note=" (0 means all/off)")
+    augment: bool = key(False, "random crop + horizontal flip per batch (image data sets)")
+    bucketing: int = key(0, "sequence data: batches from this many length buckets per agent (0 or 1: off)",
+                         low=0, note=" (0 means all/off)")
+    bucket_rule: str = key("optimal", "bucket boundaries: optimal (least padding) | quantile | uniform",
+                           registry="bucket_rule")
     # --- model
-    model: str = "mlp"  # logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru
-    model_params: dict = field(default_factory=dict)  # model options, e.g. {hidden = 32, layers = 1, packed = true}
+    model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru", registry="model",
+                     identity=True)
+    model_params: dict = key({}, "model options, e.g. {hidden = 32, layers = 1, packed = true}")
     # --- optimisation
-    epochs: float = 30.0  # epochs of ceil(mean shard size / batch_size) synchronous steps
-    batch_size: int = 32  # per agent
-    lr: float = 0.05  # step size α (α₀ when diminishing)
-    lr_schedule: str = "constant"  # constant | diminishing: α₀ / (1 + k/lr_tau)^lr_power
-    lr_tau: float = 1000.0
-    lr_power: float = 1.0  # in (0.5, 1]
-    momentum: float = 0.95  # μ for cdmsgd, msgd and local (other algorithms take none)
-    nesterov: bool = True  # Nesterov form (the paper's) or heavy ball
-    weight_decay: float = 0.0
-    local_steps: int = 0  # fedavg: local steps per round (0: use local_epochs)
-    local_epochs: int = 1  # fedavg: local epochs per round
-    fedavg_fraction: float = 1.0  # fedavg: fraction of agents sampled per round
-    init: str = "same"  # same | independent initial parameters across agents
-    strategy: str = "auto"  # simulator strategy: auto | loop | vmap
-    exact: bool = False  # mix with ordered multiply-adds (as the runtime's exact mode)
-    seed: int = 0
+    epochs: float = key(30.0, "epochs of ceil(mean shard size / batch_size) synchronous steps", above=0)
+    batch_size: int = key(32, "per agent", low=1)
+    lr: float = key(0.05, "step size α (α₀ when diminishing)")
+    lr_schedule: str = key("constant", "constant | diminishing: α₀ / (1 + k/lr_tau)^lr_power")
+    lr_tau: float = key(1000.0, "τ of the diminishing schedule")
+    lr_power: float = key(1.0, "p of the diminishing schedule, in (0.5, 1]")
+    momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, msgd, local)")
+    nesterov: bool = key(True, "Nesterov form (the paper's) or heavy ball")
+    weight_decay: float = key(0.0, "L2 coefficient λ")
+    local_steps: int = key(0, "fedavg: local steps per round (0: use local_epochs)", low=0,
+                           note=" (0 means all/off)", unset=0)
+    local_epochs: int = key(1, "fedavg: local epochs per round", low=1, overridden_by="local_steps")
+    fedavg_fraction: float = key(1.0, "fedavg: fraction of agents sampled per round")
+    init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))
+    strategy: str = key("auto", "simulator strategy: auto | loop | vmap", choices=("auto", "loop", "vmap"))
+    exact: bool = key(False, "mix with ordered multiply-adds (as the runtime's exact mode)")
+    seed: int = key(0, "root of every random stream", low=0, note=" (0 means all/off)", identity=True)
     # --- evaluation and output
-    eval_every: int = 1  # evaluate every this many epochs (and at the end)
-    eval_agents: int = 0  # evaluate this many agents, evenly spaced (0: all)
-    eval_samples: int = 0  # evaluate agents on this many test samples (0: the whole test subset)
-    eval_batch_size: int = 1024
-    out: str = ""  # output folder ("": runs/<algorithm>-<topology>-<dataset>-<time>)
-    overwrite: bool = False  # allow writing into an existing non-empty output folder
-    save_params: bool = False  # also write params.pt: the final N×P parameters (torch.save)
+    eval_every: int = key(1, "evaluate every this many epochs (and at the end)", low=1)
+    eval_agents: int = key(0, "evaluate this many agents, evenly spaced (0: all)", low=0, note=" (0 means all/off)")
+    eval_samples: int = key(0, "evaluate agents on this many test samples (0: the whole test subset)", low=0,
+                            note=" (0 means all/off)")
+    eval_batch_size: int = key(1024, "test inputs per forward pass in evaluation", low=1)
+    out: str = key("", "output folder (\"\": runs/<algorithm>-<topology>-<dataset>-<time>)", volatile=True)
+    overwrite: bool = key(False, "allow writing into an existing non-empty output folder", volatile=True)
+    save_params: bool = key(False, "also write params.pt: the final N×P parameters (torch.save)")
     # --- reliability (docs/reliability.md)
-    checkpoint_every: float = 0.0  # write a checkpoint every this many checkpoint_units (0: never)
-    checkpoint_unit: str = "epochs"  # epochs (fractions allowed) | steps
-    resume: bool = False  # continue from the latest complete checkpoint in out (fresh start if none)
+    checkpoint_every: float = key(0.0, "write a checkpoint every this many checkpoint_units (0: never)", low=0,
+                                  note=" (0: no checkpoints)", volatile=True)
+    checkpoint_unit: str = key("epochs", "epochs (fractions allowed) | steps", choices=("epochs", "steps"),
+                               volatile=True)
+    resume: bool = key(False, "continue from the latest complete checkpoint in out (fresh start if none)",
+                       volatile=True)
 
     def identity(self) -> dict:
-        """The keys that identify a run in summaries."""
-        return {k: getattr(self, k) for k in ("algorithm", "topology", "n_agents", "mixing", "dataset",
-                                               "partition", "model", "seed")}
+        """The keys that identify a run in summaries (declared with ``identity=True``)."""
+        return {k: getattr(self, k) for k in IDENTITY_KEYS}
 
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
 _PY = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict}
+_META = {f.name: f.metadata for f in dataclasses.fields(Config)}
+
+#: keys that may differ between a run and its resumption (where and how, not what, is computed)
+VOLATILE_KEYS = tuple(k for k, m in _META.items() if m["volatile"])
+#: keys that identify a run in summaries
+IDENTITY_KEYS = tuple(k for k, m in _META.items() if m["identity"])
+
+
+def key_info(name: str) -> dict:
+    """What is declared about config key ``name``: type, default, help, choices, registry, bounds, flags."""
+    _check_key(name)
+    f = Config.__dataclass_fields__[name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return {"type": _TYPES[name], "default": default, **_META[name]}
+
+
+def check_ranges(cfg: "Config") -> None:
+    """Every declared choice and bound of ``cfg``, in declaration order; a ValueError naming the first bad value."""
+    from .checks import check_choice
+
+    for name, m in _META.items():
+        value = getattr(cfg, name)
+        if m["choices"]:
+            check_choice(name, value, m["choices"])
+        if m["low"] is not None and not value >= m["low"]:
+            raise ValueError(f"{name} must be >= {m['low']:g}{m['unit']}{m['note']}, got {value}")
+        if m["above"] is not None and not value > m["above"]:
+            raise ValueError(f"{name} must be > {m['above']:g}{m['unit']}{m['note']}, got {value}")
 
 
 def short_value(v) -> str:
@@ -186,7 +253,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     return cfg
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """A value as TOML text (the inverse of the override parser)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -194,14 +262,17 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     raise ValueError(f"cannot write {v!r} as TOML")
 
 
 def dump_config(cfg: Config) -> str:
     """The config as TOML text (all keys, resolved), readable by :func:`load_config`."""
     lines = ["# cdsgd run config (fully resolved)"]
-    lines += [f"{k} = {_toml_value(getattr(cfg, k))}" for k in _TYPES]
+    lines += [f"{k} = {toml_value(getattr(cfg, k))}" for k in _TYPES]
     return "\n".join(lines) + "\n"
+
+
+_toml_value = toml_value  # the old private name

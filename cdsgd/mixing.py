@@ -49,6 +49,7 @@ __all__ = [
     "Mixer",
     "MatrixMixer",
     "allreduce_bytes",
+    "neighbourhood",
     "ordered_weighted_sum",
 ]
 
@@ -81,6 +82,21 @@ def ordered_weighted_sum(weights: Sequence[float], tensors: Sequence[torch.Tenso
     return out
 
 
+def neighbourhood(W, j: int) -> tuple[list[float], list[int]]:
+    """Row j of Π as (weights, sources): agent j itself first, then its neighbours ascending.
+
+    The one definition of "who agent j averages with, and how much" that
+    both the in-process mixer and the runtime's neighbour exchange use (and
+    the order in which the exact mode adds them up).
+
+    >>> neighbourhood([[0.5, 0.5, 0.0], [0.5, 0.25, 0.25], [0.0, 0.25, 0.75]], 1)
+    ([0.25, 0.5, 0.25], [1, 0, 2])
+    """
+    row = np.asarray(W, dtype=np.float64)[j]
+    src = [j] + [int(l) for l in np.flatnonzero(row) if l != j]
+    return [float(row[l]) for l in src], src
+
+
 class Mixer(abc.ABC):
     """Base class: ``start``/``mix`` apply Π, ``average`` applies 11ᵀ/N.
 
@@ -93,7 +109,12 @@ class Mixer(abc.ABC):
     #: bytes each agent represented here has sent so far (float64 tensor, one entry per row)
     bytes_sent: torch.Tensor
     #: the agents (global indices) whose rows the stacks handed to this mixer hold
-    rows: list[int]
+    agents: list[int]
+
+    @property
+    def rows(self) -> list[int]:
+        """The old name of :attr:`agents`."""
+        return self.agents
 
     @abc.abstractmethod
     def start(self, X: torch.Tensor) -> Handle:
@@ -130,18 +151,14 @@ class MatrixMixer(Mixer):
             topologies.validate(W)
         self.W64 = W
         self.n_agents = W.shape[0]
-        self.rows = list(range(self.n_agents))
+        self.agents = list(range(self.n_agents))
         self.exact = exact
-        self.degrees = torch.tensor([(np.count_nonzero(W[j]) - (W[j, j] != 0)) for j in range(self.n_agents)],
-                                    dtype=torch.float64)
+        # row j's (weights, sources): self first, then neighbours ascending
+        self._rows = [neighbourhood(W, j) for j in range(self.n_agents)]
+        self.degrees = torch.tensor([len(src) - 1 for _, src in self._rows], dtype=torch.float64)
         self.bytes_sent = torch.zeros(self.n_agents, dtype=torch.float64)
         self._W: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._buffers: dict[tuple, torch.Tensor] = {}
-        # row j's (weights, sources): self first, then neighbours ascending
-        self._rows = []
-        for j in range(self.n_agents):
-            src = [j] + [l for l in range(self.n_agents) if l != j and W[j, l] != 0]
-            self._rows.append(([float(W[j, l]) for l in src], src))
 
     def _matrix(self, X: torch.Tensor) -> torch.Tensor:
         key = (X.dtype, X.device)

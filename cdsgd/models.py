@@ -38,11 +38,12 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from topologies import Registry
+from topologies import Registry, unknown_name_error
 
 from .data.sequences import sequence_lengths
 
-__all__ = ["MODELS", "SequenceClassifier", "build_model", "has_convolutions", "n_parameters", "vmap_blockers"]
+__all__ = ["MODELS", "SequenceClassifier", "build_model", "check_model_options", "has_convolutions", "n_parameters",
+           "vmap_blockers"]
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 
@@ -127,6 +128,35 @@ def build_model(name: str, input_shape: Sequence[int], n_classes: int, **options
         return fn(input_shape, n_classes, **options)
     except TypeError as e:
         raise ValueError(f"model {name!r}: bad options {sorted(options)} ({e})") from None
+
+
+#: a valid input shape for each model family, to check options before any data is loaded
+_PROBE_SHAPES = {"lstm": (16, 2), "gru": (16, 2), "pgru": (16, 2)}
+_IMAGE_PROBE = (1, 28, 28)
+
+
+def check_model_options(name: str, options: dict) -> None:
+    """Refuse an unknown model or options it does not take, before any data is loaded.
+
+    Unknown option names are refused naming the allowed ones (with a
+    suggestion); values are checked by building the model once for a small
+    input of its family (sequences for lstm/gru/pgru, 1×28×28 images
+    otherwise) and 2 classes.
+
+    >>> check_model_options("mlp", {"hiden": [32]})
+    Traceback (most recent call last):
+    ...
+    ValueError: model 'mlp': bad options ['hiden'] (option 'hiden' is unknown; did you mean 'hidden'? Known: hidden)
+    """
+    import inspect
+
+    fn = MODELS.get(name)
+    known = [p for p in list(inspect.signature(fn).parameters)[2:]]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        hint = unknown_name_error("option", unknown[0], known) if known else f"model {name!r} takes no options"
+        raise ValueError(f"model {name!r}: bad options {unknown} ({hint})")
+    build_model(name, _PROBE_SHAPES.get(name, _IMAGE_PROBE), 2, **options)
 
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)

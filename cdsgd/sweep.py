@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -50,9 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import VOLATILE_KEYS, config_for_checkpoint
-from .config import Config, _toml_value, dump_config, load_config, short_value
-from .experiment import validate_config
+from .checkpoint import config_for_checkpoint
+from .config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
+from .files import atomic_write
+from .plan import validate_config
 
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
 
@@ -165,7 +167,7 @@ def load_sweep(path: str | os.PathLike, out: str | os.PathLike) -> list[SweepRun
             varying.update(part)
         if any(all(varying.get(k) == v for k, v in ex.items()) for ex in excludes):
             continue
-        overrides = [f"{k}={_toml_value(v)}" for k, v in {**base, **varying}.items()]
+        overrides = [f"{k}={toml_value(v)}" for k, v in {**base, **varying}.items()]
         cfg = load_config(base_file, overrides)
         name = _folder_name(varying)
         cfg.out = str(out / name)
@@ -285,14 +287,12 @@ def collect(out: str | os.PathLike) -> list[dict]:
             row[k] = summary.get(k)
         row["run"] = folder.name
         rows.append(row)
-    tmp = out / "results.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=varying + RESULT_COLUMNS)
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
-                        for k, v in row.items()})
-    os.replace(tmp, out / "results.csv")
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=varying + RESULT_COLUMNS)
+    w.writeheader()
+    for row in rows:
+        w.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in row.items()})
+    atomic_write(out / "results.csv", text.getvalue())
     return rows
 
 

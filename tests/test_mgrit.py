@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from cdsgd.mgrit import (ImplicitGRUCell, ParallelGRU, _linearise, classic_gru_step, implicit_gru_step,
-                         mgrit_backward, mgrit_forward, mgrit_gru, serial_forward)
+from cdsgd.mgrit import (ImplicitGRUCell, ParallelGRU, classic_gru_step, implicit_gru_step, mgrit_backward,
+                         mgrit_forward, mgrit_gru, serial_forward)
+from cdsgd.mgrit.solver import _linearise
 
 D = torch.float64
 

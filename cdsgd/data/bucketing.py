@@ -41,7 +41,7 @@ import torch
 
 from topologies import Registry
 
-from ..algorithms import check_int
+from ..checks import check_int
 from ..seeding import generator
 
 __all__ = [

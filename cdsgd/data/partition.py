@@ -38,6 +38,7 @@ import numpy as np
 
 from topologies import Registry
 
+from ..checks import check_int
 from ..seeding import derive_seed
 
 __all__ = ["PARTITIONS", "partition", "class_histogram"]
@@ -109,17 +110,15 @@ def partition(labels, n_agents: int, scheme: str = "iid", *, seed: int = 0, alph
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype {labels.dtype}")
-    if isinstance(n_agents, bool) or not isinstance(n_agents, numbers.Integral) or n_agents < 1:
-        raise ValueError(f"n_agents must be an integer >= 1, got {n_agents!r}")
+    n_agents = check_int("n_agents", n_agents, 1)
     if n_agents > len(labels):
         raise ValueError(f"cannot split {len(labels)} samples among n_agents={n_agents} agents")
     rng = _rng(seed, scheme)
     if scheme == "dirichlet":
         if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not alpha > 0:
             raise ValueError(f"dirichlet_alpha must be a number > 0, got {alpha!r}")
-        if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral) or min_size < 1:
-            raise ValueError(f"min_shard_size must be an integer >= 1, got {min_size!r}")
-        shards = fn(labels, n_agents, rng, alpha=float(alpha), min_size=int(min_size))
+        min_size = check_int("min_shard_size", min_size, 1)
+        shards = fn(labels, n_agents, rng, alpha=float(alpha), min_size=min_size)
     else:
         shards = fn(labels, n_agents, rng)
     return [np.sort(s) for s in shards]

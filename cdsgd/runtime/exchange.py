@@ -1,4 +1,4 @@
-r"""The distributed runtime: one torch.distributed rank per agent.
+r"""Across processes: the neighbour exchange, evaluation all-reduces, and the agreement check.
 
 Rank j is agent j. It holds only its own parameters x_j (a 1×P stack) and
 talks only to its graph neighbours: :class:`NeighbourMixer` computes
@@ -28,10 +28,8 @@ Example, inside a process group (e.g. under torchrun)::
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
-import re
 
 import numpy as np
 import torch
@@ -39,46 +37,11 @@ import torch.distributed as dist
 
 import topologies
 
-from .mixing import Handle, Mixer, allreduce_bytes, ordered_weighted_sum
-from .simulator import Reducer
+from ..comm import exchange, wait
+from ..executor.reducer import Reducer
+from ..mixing import Handle, Mixer, allreduce_bytes, neighbourhood, ordered_weighted_sum
 
-__all__ = ["NeighbourMixer", "DistReducer", "check_agreement", "CommError"]
-
-
-class CommError(RuntimeError):
-    """A neighbour or collective did not answer in time, or its connection broke.
-
-    ``peer`` is the rank that did not answer when one is known (a neighbour
-    exchange names it), else None (a collective, or a batch that failed as
-    it was posted).
-    """
-
-    def __init__(self, msg: str, peer: int | None = None) -> None:
-        super().__init__(msg)
-        self.peer = peer
-
-
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(seconds))
-
-
-def _first_line(e: Exception) -> str:
-    """gloo's message without its source location and boilerplate advice."""
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    msg = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", msg)
-    return msg.split(". This is typically caused")[0]
-
-
-def _wait(work, timeout: float, what: str, peer: int | None = None) -> None:
-    try:
-        ok = work.wait(_timedelta(timeout))
-    except RuntimeError as e:
-        msg = _first_line(e)
-        if "timed out" in msg.lower() or "timeout" in msg.lower():
-            raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s ({msg})", peer) from None
-        raise CommError(f"{what} failed: {msg}", peer) from None
-    if ok is False:
-        raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s", peer)
+__all__ = ["DistReducer", "NeighbourMixer", "check_agreement"]
 
 
 class _NeighbourHandle(Handle):
@@ -92,7 +55,7 @@ class _NeighbourHandle(Handle):
             m = self.mixer
             for (kind, peer), work in zip(self.peers, self.works):
                 verb = "receiving parameters from" if kind == "recv" else "sending parameters to"
-                _wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}", peer)
+                wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}", peer)
             if m.exact or not self.bufs:
                 ordered_weighted_sum(m.weights, [self.x, *self.bufs], self.out)
             else:  # one fused pass: π_jj·x_j + R^T w over the stacked receive buffers
@@ -107,7 +70,8 @@ class NeighbourMixer(Mixer):
     Args:
         W: the N×N mixing matrix (the same on every rank: checked by
             :func:`check_agreement`); this rank uses its row.
-        rank: this agent's index (its rank in ``group``).
+        rank: this agent's index (its rank in ``group``); its neighbours are
+            ranks of ``group`` too (:mod:`cdsgd.comm`'s one convention).
         group: the process group (default: the world).
         timeout: seconds any single wait may take (``comm_timeout``).
 
@@ -123,17 +87,18 @@ class NeighbourMixer(Mixer):
     (gloo's state after a failed wait): stop, do not retry with this mixer.
     """
 
-    def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0, exact: bool = False) -> None:
-        W = topologies.validate(W)
+    def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0, exact: bool = False,
+                 validate: bool = True) -> None:
+        W = topologies.validate(W) if validate else np.asarray(W, dtype=np.float64)
         self.n_agents = W.shape[0]
         if not 0 <= rank < self.n_agents:
             raise ValueError(f"rank {rank} is outside the {self.n_agents} agents of the mixing matrix")
         if not timeout > 0:
             raise ValueError(f"comm_timeout must be > 0 seconds, got {timeout!r}")
         self.rank, self.group, self.timeout, self.exact = rank, group, float(timeout), bool(exact)
-        self.rows = [rank]
-        self.neighbours = [l for l in range(self.n_agents) if l != rank and W[rank, l] != 0]
-        self.weights = [float(W[rank, rank])] + [float(W[rank, l]) for l in self.neighbours]
+        self.agents = [rank]
+        self.weights, sources = neighbourhood(W, rank)
+        self.neighbours = sources[1:]
         self.bytes_sent = torch.zeros(1, dtype=torch.float64)
         self._buffers: dict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
@@ -163,15 +128,11 @@ class NeighbourMixer(Mixer):
     def start(self, X: torch.Tensor) -> Handle:
         x = self._flat(X)
         bufs, out = self._bufs(x)
-        ops = [dist.P2POp(dist.isend, x, peer, self.group) for peer in self.neighbours]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in zip(self.neighbours, bufs[1])]
-        peers = [("send", p) for p in self.neighbours] + [("recv", p) for p in self.neighbours]
-        try:
-            works = dist.batch_isend_irecv(ops) if ops else []
-        except RuntimeError as e:  # a closed connection can fail the posting itself
-            msg = _first_line(e)
-            raise CommError(f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours} "
-                            f"failed (a neighbour's process is gone?): {msg}") from None
+        ops = [("send", x, peer) for peer in self.neighbours]
+        ops += [("recv", buf, peer) for peer, buf in zip(self.neighbours, bufs[1])]
+        peers = [(kind, peer) for kind, _, peer in ops]
+        works = exchange(ops, group=self.group,
+                         what=f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours}")
         self.bytes_sent += len(self.neighbours) * x.numel() * x.element_size()
         return _NeighbourHandle(self, works, peers, x, bufs, out, X.shape)
 
@@ -183,7 +144,7 @@ class NeighbourMixer(Mixer):
             buf = x.clone() if bool(mask[self.rank]) else torch.zeros_like(x)
             count = int(mask.sum())
         work = dist.all_reduce(buf, group=self.group, async_op=True)
-        _wait(work, self.timeout, f"rank {self.rank}: all-reduce of {x.numel()} values")
+        wait(work, self.timeout, f"rank {self.rank}: all-reduce of {x.numel()} values")
         self.bytes_sent += allreduce_bytes(self.n_agents, x.numel(), x.element_size())
         return buf.div_(count).view(X.shape)
 
@@ -198,7 +159,7 @@ class DistReducer(Reducer):
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         buf = t.detach().to(self.device, copy=True)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
-        _wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: evaluation all-reduce")
+        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: evaluation all-reduce")
         n = dist.get_world_size(self.group)
         self.bytes += allreduce_bytes(n, buf.numel(), buf.element_size())
         return buf.to(t.device)
@@ -206,7 +167,7 @@ class DistReducer(Reducer):
     def barrier(self, what: str) -> None:
         """Every rank reached this point (a 1-element all-reduce with the timeout; not counted as traffic)."""
         work = dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True)
-        _wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: {what}")
+        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: {what}")
 
     def gather(self, X: torch.Tensor) -> torch.Tensor:
         """Every rank's 1×P row, stacked in rank order (an all-gather; evaluation traffic)."""
@@ -214,7 +175,7 @@ class DistReducer(Reducer):
         n = dist.get_world_size(self.group)
         rows = [torch.empty_like(row) for _ in range(n)]
         work = dist.all_gather(rows, row, group=self.group, async_op=True)
-        _wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: gathering parameters")
+        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: gathering parameters")
         self.bytes += (n - 1) * row.numel() * row.element_size()
         return torch.cat(rows).to(X.device)
 

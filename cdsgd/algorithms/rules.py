@@ -50,22 +50,19 @@ Example (two agents, one parameter each, zero gradients: one step is Π X)::
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
 from topologies import Registry
 
-from .mixing import Handle, Mixer
-from .seeding import derive_seed
+from ..checks import check_int, check_lr, check_momentum, check_number, check_weight_decay
+from ..mixing import Handle, Mixer
+from ..seeding import derive_seed
 
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
-    "CDMSGD",
-    "CDSGD",
     "StepSize",
     "algorithm_params",
     "cdsgd_update",
@@ -73,43 +70,6 @@ __all__ = [
     "momentum_update",
     "with_weight_decay",
 ]
-
-# --------------------------------------------------------------------------
-# checks shared by every class that takes hyperparameters
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def check_lr(lr: Any) -> float:
-    lr = _number("lr", lr)
-    if not lr > 0 or math.isinf(lr):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    return lr
-
-
-def check_momentum(momentum: Any) -> float:
-    momentum = _number("momentum", momentum)
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    return momentum
-
-
-def check_weight_decay(wd: Any) -> float:
-    wd = _number("weight_decay", wd)
-    if not wd >= 0 or math.isinf(wd):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
-    return wd
-
-
-def check_int(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
 
 # --------------------------------------------------------------------------
 # the functional core: element-wise, in place where it can be
@@ -160,10 +120,10 @@ class StepSize:
         if schedule not in self.SCHEDULES:
             raise ValueError(f"lr_schedule {schedule!r} is unknown; allowed: {', '.join(self.SCHEDULES)}")
         self.schedule = schedule
-        self.tau = _number("lr_tau", tau)
+        self.tau = check_number("lr_tau", tau)
         if not self.tau > 0:
             raise ValueError(f"lr_tau must be > 0, got {tau!r}")
-        self.power = _number("lr_power", power)
+        self.power = check_number("lr_power", power)
         if not 0.5 < self.power <= 1:
             raise ValueError(
                 f"lr_power must be in (0.5, 1] so that Σα = ∞ and Σα² < ∞, got {power!r}"
@@ -301,7 +261,7 @@ class FedAvgAlgorithm(Algorithm):
         self.local_epochs = None if local_epochs is None else check_int("local_epochs", local_epochs, 1)
         if local_steps is None and local_epochs is None:
             self.local_epochs = 1  # the paper's FedAvg: one local epoch per round
-        fraction = _number("fedavg_fraction", fedavg_fraction)
+        fraction = check_number("fedavg_fraction", fedavg_fraction)
         if not 0 < fraction <= 1:
             raise ValueError(f"fedavg_fraction must be in (0, 1], got {fedavg_fraction!r}")
         self.fraction = fraction
@@ -329,7 +289,7 @@ class FedAvgAlgorithm(Algorithm):
         if mask is None:
             cdsgd_update(X, G, self.step_size(k), out=X)
         else:  # agents sitting the round out keep their parameters
-            X.copy_(torch.where(_rows(mask[mixer.rows], X), X - self.step_size(k) * G, X))
+            X.copy_(torch.where(_rows(mask[mixer.agents], X), X - self.step_size(k) * G, X))
         if (k + 1) % self.round_length == 0:
             X.copy_(mixer.average(X, mask))
         return X
@@ -384,117 +344,3 @@ def make_algorithm(name: str, **hyper) -> Algorithm:
     if "lr" not in hyper:
         raise ValueError(f"algorithm {name!r} needs lr")
     return klass(**hyper)
-
-
-# --------------------------------------------------------------------------
-# torch.optim-style classes for a user's own training loop
-
-
-class _ConsensusOptimizer(torch.optim.Optimizer):
-    """Shared machinery of :class:`CDSGD` and :class:`CDMSGD`.
-
-    All parameters (of all groups) are flattened into one preallocated
-    buffer and exchanged together. :meth:`post` starts the exchange of the
-    current parameters (call it before the backward pass to overlap
-    communication with computation); :meth:`step` waits for it (posting it
-    first if needed) and applies the update with each group's hyperparameters.
-    """
-
-    def __init__(self, params, defaults: dict, mixer: Mixer) -> None:
-        if not isinstance(mixer, Mixer):
-            raise ValueError(f"mixer must be a cdsgd.mixing.Mixer, got {type(mixer).__name__}")
-        super().__init__(params, defaults)
-        self.mixer = mixer
-        self._handle: Handle | None = None
-        params = self._params()
-        if not params:
-            raise ValueError("optimizer got an empty parameter list")
-        first = params[0]
-        self._flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
-    @torch.no_grad()
-    def post(self) -> None:
-        """Start exchanging the current parameters with the neighbours."""
-        offset = 0
-        for p in self._params():
-            n = p.numel()
-            self._flat[offset:offset + n].copy_(p.reshape(-1))
-            offset += n
-        self._handle = self.mixer.start(self._flat)
-
-    def _update(self, p: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, group: dict) -> None:
-        """Write the new value of parameter ``p`` into it."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._handle is None:
-            self.post()
-        mixed_flat, self._handle = self._handle.wait(), None
-        offset = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                n = p.numel()
-                mixed = mixed_flat[offset:offset + n].view_as(p)
-                offset += n
-                g = torch.zeros_like(p) if p.grad is None else p.grad
-                g = with_weight_decay(g, p, group["weight_decay"])
-                self._update(p, mixed, g, group)
-        return loss
-
-
-class CDSGD(_ConsensusOptimizer):
-    r"""Consensus-based distributed SGD for one agent: x ← Σ_l π_jl x_l − α g(x).
-
-    Args:
-        params: the agent's parameters (or parameter groups).
-        mixer: a Mixer whose ``start(x)`` exchanges this agent's flat
-            P-vector with its neighbours (e.g. the runtime's neighbour mixer).
-        lr: step size α (> 0), keyword-only like every tunable.
-        weight_decay: L2 coefficient λ (g ← g + λx), >= 0.
-
-    Use ``opt.post()`` before the backward pass to overlap the exchange,
-    then ``opt.step()``; or just ``opt.step()``.
-    """
-
-    def __init__(self, params, mixer: Mixer, *, lr: float, weight_decay: float = 0.0) -> None:
-        defaults = {"lr": check_lr(lr), "weight_decay": check_weight_decay(weight_decay)}
-        super().__init__(params, defaults, mixer)
-
-    def _update(self, p, mixed, g, group):
-        cdsgd_update(mixed, g, group["lr"], out=p)
-
-
-class CDMSGD(_ConsensusOptimizer):
-    r"""CDSGD with a local momentum buffer (never mixed), for one agent.
-
-    m ← μ m − α g;  x ← Σ_l π_jl x_l + μ m − α g (``nesterov=True``, the
-    paper's form) or x ← Σ_l π_jl x_l + m (heavy ball). The buffer is kept in
-    ``self.state[p]["momentum_buffer"]``.
-
-    Args:
-        params, mixer: as for :class:`CDSGD`.
-        lr: α > 0. momentum: μ in [0, 1) (default 0.95, the paper's).
-        nesterov: Nesterov form (default) or heavy ball. weight_decay: λ >= 0.
-    """
-
-    def __init__(self, params, mixer: Mixer, *, lr: float, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.0) -> None:
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"nesterov must be true or false, got {nesterov!r}")
-        defaults = {"lr": check_lr(lr), "momentum": check_momentum(momentum), "nesterov": nesterov,
-                    "weight_decay": check_weight_decay(weight_decay)}
-        super().__init__(params, defaults, mixer)
-
-    def _update(self, p, mixed, g, group):
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        momentum_update(mixed, g, state["momentum_buffer"], group["lr"], group["momentum"], group["nesterov"], out=p)

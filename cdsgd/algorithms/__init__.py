@@ -1,0 +1,33 @@
+"""The update rules (:mod:`.rules`) and the torch.optim classes built on them (:mod:`.optim`).
+
+``make_algorithm(name, **hyper)`` gives the :class:`Algorithm` the executors
+call on the stacked parameters; :class:`CDSGD`/:class:`CDMSGD` are the
+same arithmetic as ``torch.optim`` optimizers for one agent in a user's own
+loop. The maths of every rule is in :mod:`cdsgd.algorithms.rules`.
+"""
+
+from ..checks import check_int, check_lr, check_momentum, check_weight_decay  # noqa: F401 - old import path
+from .optim import CDMSGD, CDSGD
+from .rules import (
+    ALGORITHMS,
+    Algorithm,
+    StepSize,
+    algorithm_params,
+    cdsgd_update,
+    make_algorithm,
+    momentum_update,
+    with_weight_decay,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "CDMSGD",
+    "CDSGD",
+    "StepSize",
+    "algorithm_params",
+    "cdsgd_update",
+    "make_algorithm",
+    "momentum_update",
+    "with_weight_decay",
+]

@@ -1,0 +1,449 @@
+r"""The executor: the agents a process holds, stacked; one step of the update rule on all of them.
+
+All agents' flat parameters live in one N×P buffer ``X``, so the mixing of a
+CDSGD step is one matrix product Π X. Each step is synchronous: every agent
+computes its gradient at the same iterate, then the update rule of
+:mod:`cdsgd.algorithms` is applied to the whole stack.
+
+Independence of agents. Agent j has its own model instance (for buffers),
+its own momentum rows, its own data order and its own random streams, all
+seeded from (seed, j) by :func:`cdsgd.seeding.derive_seed`:
+
+* ``init="same"`` (default): one model is built under seed (seed, "init")
+  and copied to every agent; ``init="independent"``: agent j's model is built
+  under (seed, j, "init"). Algorithms that stand for one model (sgd, msgd,
+  fedavg) always start every agent from agent 0's parameters.
+* data order: agent j draws batches from an endless concatenation of
+  permutations of its shard, drawn by the generator (seed, j, "data"); every
+  sample is seen once per pass and all batches are full.
+* dropout: agent j's forward passes run on its own RNG state, seeded with
+  (seed, j, "dropout"); the global RNG is left as it was.
+
+So rank j of the distributed runtime can reproduce agent j step for step.
+
+Epoch: ``steps_per_epoch = ceil(mean shard size / batch_size)`` synchronous
+steps (all shards are equal with the ``iid`` partition).
+
+One executor serves every layout: all N agents in this process (the
+simulator), one agent per rank (the runtime: ``agents=[rank]`` with a
+neighbour Mixer and a distributed Reducer), or a block of agents. Only the
+Mixer and the Reducer differ; the update rule, the streams and the
+bookkeeping are the same code. ``Simulator`` is this class's other name.
+
+Gradients: :mod:`cdsgd.executor.gradients` (``loop`` or ``vmap``, chosen by
+``strategy``). Metrics: :mod:`cdsgd.executor.evaluation`.
+
+Example (4 agents on a ring learn a linear classifier)::
+
+    >>> import torch, topologies
+    >>> from torch import nn
+    >>> g = torch.Generator().manual_seed(0)
+    >>> Xs = torch.randn(400, 5, generator=g); ys = (Xs[:, 0] > 0).long()
+    >>> shards = [(Xs[i::4], ys[i::4]) for i in range(4)]
+    >>> W = topologies.mixing_matrix(topologies.build("ring", 4))
+    >>> result = simulate(lambda: nn.Linear(5, 2), shards, W, "cdsgd", lr=0.5,
+    ...                   epochs=5, batch_size=20, test_set=(Xs, ys))
+    >>> result.metrics[-1]["test_accuracy"] > 0.9, result.params.shape
+    (True, torch.Size([4, 12]))
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..algorithms import Algorithm, algorithm_params, make_algorithm
+from ..checks import check_int
+from ..flat import ParamLayout
+from ..mixing import MatrixMixer, Mixer
+from ..seeding import derive_seed, generator
+from . import evaluation
+from .gradients import STRATEGIES, choose_strategy, make_strategy
+from .reducer import Reducer
+from .streams import AgentRNG, BatchStream
+
+__all__ = ["INITS", "Executor", "SimulationResult", "Simulator", "simulate"]
+
+#: how agents' initial parameters relate (``init=``)
+INITS = ("same", "independent")
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` returns."""
+
+    #: one dict per evaluation with the keys of METRIC_COLUMNS
+    metrics: list[dict]
+    #: final N×P parameters
+    params: torch.Tensor
+    simulator: "Executor" = field(repr=False)
+
+
+class Executor:
+    """The agents held in this process (all N by default). See the module docstring for the semantics.
+
+    Args:
+        model_fn: builds one agent's ``nn.Module`` (called under a seeded RNG).
+        shards: per-agent training data, a sequence of (inputs, targets) tensor pairs.
+        W: the N×N mixing matrix (numpy or nested lists), or a ready Mixer.
+            Not used by ``sgd``, ``msgd``, ``fedavg`` (all-average) nor by
+            ``local``; pass ``None`` there to use Π = 11ᵀ/N for bookkeeping.
+        algorithm: a name (with ``**hyper`` for :func:`make_algorithm`) or an Algorithm.
+        batch_size: per-agent batch size.
+        seed: the root of every random stream.
+        init: ``"same"`` or ``"independent"``.
+        strategy: ``"auto"``, ``"loop"`` or ``"vmap"``.
+        loss_fn: ``loss_fn(outputs, targets)``, mean over the batch (default cross-entropy).
+        test_set: (inputs, targets) for evaluation, or None (test metrics are NaN).
+        eval_batch_size, eval_agents, eval_samples: bound the cost of evaluation.
+        exact: mix with the ordered multiply-add of the runtime's exact mode
+            (and, with ``strategy="auto"``, use the loop strategy).
+        augment: ``augment(batch_inputs, generator)`` applied to each training
+            batch of agent j with its own generator seeded from (seed, j, "augment").
+        overlap: start the mixing of X before the gradients are computed and
+            wait for it after (the default); False starts it after, for measurement.
+        agents: the agents this process holds (default: all). The distributed
+            runtime holds one, ``[rank]``, with a neighbour Mixer and a Reducer
+            over its process group; the update rule and the bookkeeping are the same.
+        reducer: sums across processes for evaluation (default: none needed).
+        device: where parameters and data live (default: the model's device).
+        batch_stream: ``batch_stream(j, generator)`` makes agent j's endless
+            stream of index batches (``next()``, ``state_dict()``,
+            ``load_state_dict()``), e.g. a :class:`cdsgd.data.bucketing.BucketStream`;
+            default :class:`BatchStream` over agent j's shard.
+        steps_per_epoch: steps that count as one epoch (default
+            ceil(mean shard size / batch_size)).
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        W=None,
+        algorithm: str | Algorithm = "cdmsgd",
+        *,
+        batch_size: int = 32,
+        seed: int = 0,
+        init: str = "same",
+        strategy: str = "auto",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        test_set: tuple[torch.Tensor, torch.Tensor] | None = None,
+        eval_batch_size: int = 1024,
+        eval_agents: int | None = None,
+        eval_samples: int | None = None,
+        exact: bool = False,
+        augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+        overlap: bool = True,
+        agents: Sequence[int] | None = None,
+        reducer: Reducer | None = None,
+        device: str | torch.device | None = None,
+        batch_stream: Callable[[int, torch.Generator], object] | None = None,
+        steps_per_epoch: int | None = None,
+        **hyper,
+    ) -> None:
+        self.n_agents = n = len(shards)
+        if n < 1:
+            raise ValueError("shards is empty; the simulator needs at least one agent")
+        for j, shard in enumerate(shards):
+            if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
+                raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
+            if len(shard[0]) != len(shard[1]):
+                raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
+        self.batch_size = check_int("batch_size", batch_size)
+        self.seed = check_int("seed", seed, 0)
+        if init not in INITS:
+            raise ValueError(f"init {init!r} is unknown; allowed: {', '.join(INITS)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
+        self.eval_batch_size = check_int("eval_batch_size", eval_batch_size)
+        if eval_agents is not None:
+            check_int("eval_agents", eval_agents)
+        if eval_samples is not None:
+            check_int("eval_samples", eval_samples)
+        self.agents = list(range(n)) if agents is None else [int(j) for j in agents]
+        if not self.agents or any(not 0 <= j < n for j in self.agents) or len(set(self.agents)) != len(self.agents):
+            raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {agents!r}")
+        self.reducer = reducer if reducer is not None else Reducer()
+        self.overlap = bool(overlap)
+
+        if isinstance(algorithm, str):
+            allowed = algorithm_params(algorithm)
+            unknown = sorted(set(hyper) - set(allowed))
+            if unknown:
+                own = [p for p in inspect.signature(Executor).parameters if p not in ("hyper",)]
+                raise ValueError(
+                    f"unknown option {unknown[0]!r}: not a Simulator option ({', '.join(own)}) "
+                    f"nor a hyperparameter of algorithm {algorithm!r} ({', '.join(allowed)})"
+                )
+            algorithm = make_algorithm(algorithm, **hyper)
+        elif hyper:
+            raise ValueError(f"hyperparameters {sorted(hyper)} given with a ready Algorithm; set them on it")
+        self.algorithm = algorithm
+
+        # --- the mixer
+        if not isinstance(W, Mixer) and len(self.agents) < n:
+            raise ValueError(f"an executor holding agents {self.agents} of {n} needs a Mixer that reaches the "
+                             "others (e.g. cdsgd.runtime.NeighbourMixer), not a matrix")
+        if isinstance(W, Mixer):
+            self.mixer = W
+        elif W is None:
+            if algorithm.traffic == "neighbours":
+                raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
+            self.mixer = MatrixMixer(np.full((n, n), 1.0 / n), exact=exact)
+        else:
+            W = np.asarray(W, dtype=np.float64)
+            if W.shape != (n, n):
+                raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
+            self.mixer = MatrixMixer(W, exact=exact)
+        if self.mixer.n_agents != n:
+            raise ValueError(f"mixer is for {self.mixer.n_agents} agents but there are {n} shards")
+        if list(getattr(self.mixer, "agents", range(n))) != self.agents:
+            raise ValueError(f"mixer holds agents {list(self.mixer.agents)} but this executor holds {self.agents}")
+
+        # --- models and the L×P parameter stack of the L agents held here
+        # init="same": every agent's module is built under one seed (identical copies);
+        # one-model algorithms (sgd, msgd, fedavg) start every agent from agent 0's parameters.
+        def init_key(j: int) -> int:
+            if init == "same":
+                return derive_seed(self.seed, "init")
+            return derive_seed(self.seed, 0 if algorithm.same_init else j, "init")
+
+        self.models = [self._seeded(init_key(j), model_fn) for j in self.agents]
+        template = self.models[0]
+        self.layout = ParamLayout(template)
+        if self.layout.numel == 0:
+            raise ValueError("the model has no parameters")
+        first = next(template.parameters())
+        self.device = torch.device(device) if device is not None else first.device
+        for m in self.models:
+            m.to(self.device)
+        self.X = torch.stack([self.layout.flatten(m) for m in self.models]).to(self.device)
+        self.dtype = self.X.dtype
+
+        self.strategy = choose_strategy(strategy, template, exact=exact)
+        self.loss_fn = loss_fn
+        for m in self.models:
+            m.train()
+
+        # --- data, per-agent streams (seeded by the global agent index)
+        self.shards = [(shards[j][0].to(self.device), shards[j][1].to(self.device)) for j in self.agents]
+        if batch_stream is None:
+            def batch_stream(j, gen):
+                return BatchStream(len(shards[j][1]), self.batch_size, gen)
+        self.streams = [batch_stream(j, generator(self.seed, j, "data")) for j in self.agents]
+        self.augment = augment
+        self._augment_gens = [generator(self.seed, j, "augment") for j in self.agents] if augment else None
+        mean_shard = sum(len(y) for _, y in shards) / n
+        self.steps_per_epoch = (max(1, math.ceil(mean_shard / self.batch_size)) if steps_per_epoch is None
+                                else check_int("steps_per_epoch", steps_per_epoch))
+        self.rng = AgentRNG(self.seed, self.agents, self.device)
+        algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
+        self.state = algorithm.init_state(self.X)
+        self._G = torch.zeros_like(self.X)
+        self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, self._G, loss_fn, self.rng)
+
+        self.test_set = None
+        if test_set is not None:
+            tx, ty = test_set
+            if eval_samples is not None and eval_samples < len(ty):
+                keep = torch.randperm(len(ty), generator=generator(self.seed, "eval"))[:eval_samples]
+                tx, ty = tx[keep], ty[keep]
+            self.test_set = (tx.to(self.device), ty.to(self.device))
+        self.eval_agents = evaluation.pick_agents(n, eval_agents)
+
+        self.k = 0
+        self._loss_sum, self._loss_count = 0.0, 0
+        self._wall = 0.0
+
+    @staticmethod
+    def _seeded(seed: int, model_fn: Callable[[], nn.Module]) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+        return model
+
+    # ------------------------------------------------------------------- step
+
+    def _batches(self, active: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next training batch of each active held agent (augmented on its own stream)."""
+        batches = []
+        for i in active:
+            idx = self.streams[i].next()
+            x, y = self.shards[i]
+            xb = x[idx] if self.augment is None else self.augment(x[idx], self._augment_gens[i])
+            batches.append((xb, y[idx]))
+        return batches
+
+    def step(self) -> float:
+        """One synchronous step of every agent held here. Returns their mean batch loss (NaN if none stepped)."""
+        t0 = time.perf_counter()
+        alg, X, k = self.algorithm, self.X, self.k
+        mask = alg.participants(k)
+        active = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
+        handle = self.mixer.start(X) if alg.mixes_params and self.overlap else None
+        losses = self.gradients.gradients(active, self._batches(active))
+        if alg.mixes_params and not self.overlap:
+            handle = self.mixer.start(X)
+        alg.update(X, self._G, self.state, k=k, mixer=self.mixer, mixed=handle)
+        self.k += 1
+        total = float(losses.sum())
+        self._loss_sum += total
+        self._loss_count += len(active)
+        self._wall += time.perf_counter() - t0
+        return total / len(active) if active else float("nan")
+
+    # --------------------------------------------------------------- evaluate
+
+    def average_params(self) -> torch.Tensor:
+        """x̄ = (1/N) Σ_j x_j over all agents (a P-vector)."""
+        return evaluation.average_params(self)
+
+    def consensus_distance(self, xbar: torch.Tensor | None = None) -> float:
+        """sqrt(mean_j ‖x_j − x̄‖²) over all agents."""
+        return evaluation.consensus_distance(self, xbar)
+
+    def evaluate(self) -> dict:
+        """A metrics row (the METRIC_COLUMNS) for the current state; resets the train-loss window.
+
+        Sums over agents go through the Reducer, so every process holding
+        agents must call this together; the row is the same on all of them.
+        """
+        return evaluation.evaluate(self)
+
+    # -------------------------------------------------------------------- run
+
+    def run(self, *, epochs: float | None = None, steps: int | None = None, eval_every: int | None = None,
+            callback: Callable[[dict], None] | None = None, progress: Callable[[int], None] | None = None,
+            after_step: Callable[[int], None] | None = None) -> list[dict]:
+        """Run ``epochs`` epochs (or ``steps`` steps), evaluating every ``eval_every`` steps.
+
+        ``eval_every`` defaults to one epoch; the last step is always evaluated.
+        Evaluations fall on the steps k (counted from the very start, also
+        after :meth:`load_state_dict`) with k % eval_every == 0.
+        ``callback(row)`` receives each metrics row as it is made, ``progress(k)``
+        each step, ``after_step(k)`` each step after its evaluation (the place
+        for checkpoints: the state then includes the row).
+        """
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs and steps")
+        total = round(epochs * self.steps_per_epoch) if steps is None else check_int("steps", steps)
+        if epochs is not None and (not epochs > 0 or total < 1):
+            raise ValueError(f"epochs must be > 0 (at least one step), got {epochs!r}")
+        every = self.steps_per_epoch if eval_every is None else check_int("eval_every", eval_every)
+        rows = []
+        end = self.k + total
+        while self.k < end:
+            self.step()
+            if progress is not None:
+                progress(self.k)
+            if self.k % every == 0 or self.k == end:
+                row = self.evaluate()
+                rows.append(row)
+                if callback is not None:
+                    callback(row)
+            if after_step is not None:
+                after_step(self.k)
+        return rows
+
+    # ------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict:
+        """Everything that decides the rest of the run, for the agents held here.
+
+        Parameters, the algorithm's state (momentum), the step counter, the
+        train-loss window, the wall clock, each agent's data order (permutation,
+        position, generator), augmentation and dropout streams, and the bytes
+        counted so far. Only tensors, numbers, strings, lists and dicts: it
+        loads with ``torch.load(weights_only=True)``. Restoring it into a
+        Simulator built with the same arguments (:meth:`load_state_dict`)
+        continues bit for bit as if it had never stopped.
+        """
+        return {
+            "k": self.k,
+            "agents": list(self.agents),
+            "n_agents": self.n_agents,
+            "numel": self.layout.numel,
+            "X": self.X.detach().cpu().clone(),
+            "algorithm": self.algorithm.name,
+            "algorithm_state": {name: t.detach().cpu().clone() for name, t in self.state.items()},
+            "loss_sum": self._loss_sum,
+            "loss_count": self._loss_count,
+            "wall": self._wall,
+            "streams": [s.state_dict() for s in self.streams],
+            "augment": [g.get_state() for g in self._augment_gens] if self._augment_gens else [],
+            "rng": [s.cpu() for s in self.rng.state_dict()],
+            "bytes_sent": self.mixer.bytes_sent.clone(),
+            "eval_bytes": float(self.reducer.bytes),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` of an executor built the same way; mismatches are ValueErrors."""
+        expect = {"agents": list(self.agents), "n_agents": self.n_agents, "numel": self.layout.numel,
+                  "algorithm": self.algorithm.name}
+        for key, want in expect.items():
+            if state.get(key) != want:
+                raise ValueError(f"checkpoint state has {key} = {state.get(key)!r}, this run has {want!r}")
+        if tuple(state["X"].shape) != tuple(self.X.shape):
+            raise ValueError(f"checkpoint parameters have shape {tuple(state['X'].shape)}, "
+                             f"this run {tuple(self.X.shape)}")
+        if sorted(state["algorithm_state"]) != sorted(self.state):
+            raise ValueError(f"checkpoint algorithm state holds {sorted(state['algorithm_state'])}, "
+                             f"this run {sorted(self.state)}")
+        with torch.no_grad():
+            self.X.copy_(state["X"])  # in place: the loop strategy's modules are views of X
+            for name, t in state["algorithm_state"].items():
+                self.state[name].copy_(t)
+        for stream, s in zip(self.streams, state["streams"], strict=True):
+            stream.load_state_dict(s)
+        for g, s in zip(self._augment_gens or [], state["augment"], strict=True):
+            g.set_state(s)
+        self.rng.load_state_dict([s.to(self.rng.states[0].device) for s in state["rng"]])
+        self.mixer.bytes_sent.copy_(state["bytes_sent"])
+        self.reducer.bytes = float(state["eval_bytes"])
+        self.k = int(state["k"])
+        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
+        self._wall = float(state["wall"])
+
+    def agent_model(self, j: int) -> nn.Module:
+        """Agent j's module holding its current parameters (j must be held here)."""
+        i = self.agents.index(j)
+        self.layout.load_into(self.models[i], self.X[i])
+        return self.models[i]
+
+
+def simulate(
+    model_fn: Callable[[], nn.Module],
+    shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    W=None,
+    algorithm: str | Algorithm = "cdmsgd",
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    eval_every: int | None = None,
+    **options,
+) -> SimulationResult:
+    """Run the simulator on your own model, loss and per-agent data.
+
+    ``options`` are :class:`Simulator`'s keyword arguments (``batch_size``,
+    ``seed``, ``test_set``, ``loss_fn``, ...) and the algorithm's
+    hyperparameters (``lr``, ``momentum``, ...). Returns the metrics rows and
+    the final N×P parameters (row j is agent j; ``result.simulator.layout``
+    maps them back to named tensors).
+    """
+    sim = Executor(model_fn, shards, W, algorithm, **options)
+    metrics = sim.run(epochs=epochs, steps=steps, eval_every=eval_every)
+    return SimulationResult(metrics=metrics, params=sim.X.clone(), simulator=sim)
+
+
+#: the executor's name when it holds every agent (and its name in earlier releases)
+Simulator = Executor

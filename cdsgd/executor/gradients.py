@@ -1,0 +1,147 @@
+"""Gradient strategies: how an executor computes the gradients of the agents it holds.
+
+Two strategies with identical numerics (to float rounding):
+
+``loop``   agent by agent, each on its own module whose parameters are views
+           of its row of the parameter stack X and whose ``.grad`` are views
+           of its row of the gradient stack G (backward accumulates in place:
+           no copies in or out);
+``vmap``   one function of the parameters, ``torch.func.grad`` of the loss
+           through ``functional_call``, vectorised over agents with ``torch.vmap``.
+
+``auto`` picks ``vmap`` for models without convolutions, dropout or buffers
+(dense networks) and ``loop`` otherwise: dropout and buffers need per-agent
+state that vmap cannot keep exactly, and for convolutions the loop is
+faster on CPU (the figures are in docs/benchmarks.md, from
+``benchmarks/simulator.py``). Forcing ``vmap`` on a model with dropout or
+buffers is refused. The exact mode uses the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from ..flat import ParamLayout
+from ..models import has_convolutions, vmap_blockers
+from .streams import AgentRNG
+
+__all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "choose_strategy", "make_strategy"]
+
+#: the names ``strategy=`` takes
+STRATEGIES = ("auto", "loop", "vmap")
+
+
+def choose_strategy(strategy: str, template: nn.Module, *, exact: bool = False) -> str:
+    """``loop`` or ``vmap`` for ``strategy`` (one of :data:`STRATEGIES`) and this model."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
+    blockers = vmap_blockers(template)
+    if strategy == "auto":
+        return "loop" if blockers or exact or has_convolutions(template) else "vmap"
+    if strategy == "vmap" and blockers:
+        raise ValueError(f"strategy 'vmap' cannot simulate this model exactly: {'; '.join(blockers)}; use 'loop'")
+    return strategy
+
+
+class GradientStrategy:
+    """Gradients of the held agents' losses, and model outputs for evaluation.
+
+    ``models[i]`` is the i-th held agent's module; ``X``/``G`` are the L×P
+    parameter and gradient stacks; ``rng`` runs agent i's forward pass on its
+    own random stream (used when the model draws, e.g. dropout).
+    """
+
+    name: str
+
+    def __init__(self, models: Sequence[nn.Module], layout: ParamLayout, X: torch.Tensor, G: torch.Tensor,
+                 loss_fn: Callable, rng: AgentRNG) -> None:
+        self.models, self.layout, self.X, self.G, self.loss_fn, self.rng = list(models), layout, X, G, loss_fn, rng
+        self.draws = bool(vmap_blockers(self.models[0]))  # per-agent RNG streams matter only for models that draw
+
+    def gradients(self, active: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Fill the rows ``active`` (local indices) of G with their gradients at X (other rows zero).
+
+        ``batches[i]`` is the (inputs, targets) batch of ``active[i]``.
+        Returns the batch losses, one per active row.
+        """
+        raise NotImplementedError
+
+    def outputs(self, flats: torch.Tensor, model_ids: list[int], xb: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs on ``xb`` of the models with parameters ``flats[i]`` (module ``model_ids[i]``)."""
+        views = self.layout.views
+        return [functional_call(self.models[m], views(f), (xb,)) for m, f in zip(model_ids, flats)]
+
+
+class LoopGradients(GradientStrategy):
+    """Agent by agent with plain autograd on modules bound to the stacks (see the module docstring)."""
+
+    name = "loop"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # the i-th module's parameters become views of X[i], their .grad views of G[i]
+        for i, model in enumerate(self.models):
+            for p, xv, gv in zip(model.parameters(), self.layout.views(self.X[i]).values(),
+                                 self.layout.views(self.G[i]).values()):
+                p.data = xv
+                p.grad = gv
+        self._grad_views = [[p.grad for p in m.parameters()] for m in self.models]
+
+    def _backward(self, i: int, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.models[i](xb), yb)
+        loss.backward()
+        return loss.detach()
+
+    def gradients(self, active, batches):
+        self.G.zero_()  # backward accumulates into G
+        losses = []
+        for i, (xb, yb) in zip(active, batches):
+            losses.append(self.rng.run(i, self._backward, i, xb, yb) if self.draws else self._backward(i, xb, yb))
+            for p, gv in zip(self.models[i].parameters(), self._grad_views[i]):
+                if p.grad is not gv:  # autograd replaced the buffer instead of accumulating: copy back
+                    gv.copy_(p.grad)
+                    p.grad = gv
+        return torch.stack(losses) if losses else torch.zeros(0)
+
+
+class VmapGradients(GradientStrategy):
+    """All held agents at once: ``vmap(grad_and_value(loss))`` over the parameter stack."""
+
+    name = "vmap"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._grad = vmap(grad_and_value(self._loss))
+
+    def _loss(self, params, xb, yb):
+        return self.loss_fn(functional_call(self.models[0], params, (xb,)), yb)
+
+    def gradients(self, active, batches):
+        G, views = self.G, self.layout.views
+        if not active:  # no agent held here takes part in this step (FedAvg)
+            G.zero_()
+            return torch.zeros(0)
+        xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+        if len(active) == len(self.models):  # every row is overwritten
+            g, losses = self._grad(views(self.X), xb, yb)
+            for name, v in views(G).items():
+                v.copy_(g[name])
+        else:
+            G.zero_()
+            idx = torch.tensor(active, device=self.X.device)
+            g, losses = self._grad(views(self.X[idx]), xb, yb)
+            G[idx] = torch.cat([g[name].reshape(len(active), -1) for name in self.layout.names], dim=1)
+        return losses.detach()
+
+    def outputs(self, flats, model_ids, xb):
+        model, views = self.models[0], self.layout.views
+        return list(vmap(lambda f: functional_call(model, views(f), (xb,)))(flats))
+
+
+def make_strategy(name: str, *args, **kwargs) -> GradientStrategy:
+    """The strategy ``name`` (``loop`` or ``vmap``, as :func:`choose_strategy` returns) over the stacks."""
+    return {"loop": LoopGradients, "vmap": VmapGradients}[name](*args, **kwargs)

@@ -1,0 +1,102 @@
+"""Per-agent streams of an executor: data order (:class:`BatchStream`) and random draws (:class:`AgentRNG`).
+
+Every stream of agent j is seeded from (seed, j, purpose) by
+:func:`cdsgd.seeding.derive_seed`, so an executor holding any subset of the
+agents (all of them, a block, or one per rank) draws exactly what the
+others would for the same agents.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..seeding import derive_seed
+
+__all__ = ["AgentRNG", "BatchStream"]
+
+
+class BatchStream:
+    """Endless full batches of indices 0..n-1: concatenated random permutations.
+
+    Batch k is positions [k·b, (k+1)·b) of perm₀ ‖ perm₁ ‖ …, so each pass
+    covers every index once and every batch has exactly ``batch_size``
+    indices (also when n < batch_size).
+
+    >>> s = BatchStream(5, 2, torch.Generator().manual_seed(0))
+    >>> sorted(torch.cat([s.next() for _ in range(5)]).tolist())
+    [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    """
+
+    def __init__(self, n: int, batch_size: int, gen: torch.Generator) -> None:
+        if n < 1:
+            raise ValueError(f"an agent's shard is empty (n={n}); every agent needs data")
+        self.n, self.batch_size, self.gen = n, batch_size, gen
+        self._perm = torch.randperm(n, generator=gen)
+        self._pos = 0
+
+    def state_dict(self) -> dict:
+        """The position in the stream: the current permutation, the place in it, the generator state."""
+        return {"perm": self._perm.clone(), "pos": self._pos, "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        perm = state["perm"]
+        if perm.shape != (self.n,) or not 0 <= int(state["pos"]) <= self.n:
+            raise ValueError(f"data stream state is for a shard of {perm.numel()} samples, not {self.n}")
+        self._perm, self._pos = perm.clone(), int(state["pos"])
+        self.gen.set_state(state["gen"])
+
+    def next(self) -> torch.Tensor:
+        parts, need = [], self.batch_size
+        while need:
+            if self._pos == self.n:
+                self._perm = torch.randperm(self.n, generator=self.gen)
+                self._pos = 0
+            take = min(need, self.n - self._pos)
+            parts.append(self._perm[self._pos:self._pos + take])
+            self._pos += take
+            need -= take
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+
+class AgentRNG:
+    """Per-agent global-RNG states: run agent j's forward on its own stream."""
+
+    def __init__(self, seed: int, agents: Sequence[int], device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        saved = self._get()
+        self.states = []
+        for j in agents:
+            torch.manual_seed(derive_seed(seed, j, "dropout"))
+            self.states.append(self._get())
+        self._set(saved)
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [s.clone() for s in self.states]
+
+    def load_state_dict(self, states: list[torch.Tensor]) -> None:
+        if len(states) != len(self.states):
+            raise ValueError(f"random streams of {len(states)} agents, but this executor holds {len(self.states)}")
+        self.states = [s.clone() for s in states]
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state()
+
+    def _set(self, state) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def run(self, i: int, fn: Callable, *args):
+        """fn(*args) on the i-th held agent's stream."""
+        saved = self._get()
+        self._set(self.states[i])
+        try:
+            return fn(*args)
+        finally:
+            self.states[i] = self._get()
+            self._set(saved)
