@@ -14,7 +14,8 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .testing import free_port  # noqa: F401 - also public here, as before
+from .launch import describe_launch_failure, launch_argv  # noqa: F401 - public here too, as before
+from .testing import free_port  # noqa: F401 - public here too, as before
 
 __all__ = ["main", "build_parser"]
 
@@ -192,21 +193,6 @@ def _add_launch(sub) -> None:
     p.set_defaults(func=_cmd_launch)
 
 
-def launch_argv(args, overrides: list[str], path: str | None) -> list[str]:
-    """torchrun's argument list for ``cdsgd launch``."""
-    port = args.master_port
-    if port is None:
-        if args.nnodes > 1:
-            raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same port)")
-        port = free_port(args.master_addr)
-    if not 0 < port < 65536:
-        raise ValueError(f"--master-port must be in 1..65535, got {port}")
-    argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
-            f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}", f"--master-port={port}",
-            f"--max-restarts={args.max_restarts}", "-m", "cdsgd", "run"]
-    return argv + ([path] if path else []) + overrides + ["executor=torch"]
-
-
 def _cmd_launch(args) -> int:
     import time
 
@@ -244,30 +230,6 @@ def _cmd_launch(args) -> int:
         print(f"cdsgd launch: {describe_launch_failure(e)} after {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 128 + int(e.sigval) if hasattr(e, "sigval") else 1
     return 0
-
-
-def describe_launch_failure(e: Exception) -> str:
-    """One line on why torchrun gave up: the rank that failed first and how (exit status or signal)."""
-    import signal
-
-    sigval = getattr(e, "sigval", None)
-    if sigval is not None:  # the launcher itself got SIGTERM/SIGINT: torchrun stopped every worker
-        return f"stopped by {signal.Signals(sigval).name}; every rank was sent SIGTERM"
-    failures = getattr(e, "failures", None)
-    if not failures:
-        return f"workers failed ({type(e).__name__}: {e})"
-    def cause(r):  # a death by another signal than torchrun's SIGTERM first, then an error exit, then time
-        code = failures[r].exitcode
-        stopped = code in (-int(signal.SIGTERM), 128 + int(signal.SIGTERM))
-        return (stopped, code >= 0, failures[r].timestamp, r)
-
-    first_rank = min(failures, key=cause)
-    parts = []
-    for rank in sorted(failures):
-        code = failures[rank].exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        parts.append(f"rank {rank} ({how})")
-    return f"lost rank {first_rank} first; failed: {', '.join(parts)}; the other ranks were stopped"
 
 
 # -------------------------------------------------------------------- sweep

@@ -24,7 +24,9 @@ def test_topologies_does_not_import_torch():
     ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
      "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator", "cdsgd.config",
      "cdsgd.data.partition", "cdsgd.data.datasets", "cdsgd.data.bucketing", "cdsgd.data.sequences",
-     "cdsgd.checkpoint"],
+     "cdsgd.checkpoint", "cdsgd.checks", "cdsgd.files", "cdsgd.flat", "cdsgd.plan", "cdsgd.executor.evaluation",
+     "cdsgd.algorithms.rules", "cdsgd.algorithms.optim", "cdsgd.mixing", "cdsgd.mgrit", "cdsgd.mgrit.cell",
+     "cdsgd.mgrit.solver", "cdsgd.mgrit.layer", "cdsgd.data.formats", "cdsgd.data.augment"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
@@ -43,7 +45,9 @@ def test_ci_runs_the_readme_test_command():
 
 
 @pytest.mark.parametrize("module", ["topologies", "cdsgd", "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models",
-                                    "cdsgd.seeding", "cdsgd.simulator"])
+                                    "cdsgd.seeding", "cdsgd.simulator", "cdsgd.executor", "cdsgd.runtime",
+                                    "cdsgd.plan", "cdsgd.comm", "cdsgd.checks", "cdsgd.files", "cdsgd.flat",
+                                    "cdsgd.config", "cdsgd.testing", "cdsgd.mgrit", "cdsgd.data"])
 def test_public_names_declared(module):
     mod = importlib.import_module(module)
     for name in mod.__all__:

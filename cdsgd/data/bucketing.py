@@ -34,15 +34,15 @@ may be shorter), then the batches of all buckets are put in a random order.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable
 
 import numpy as np
-import torch
 
 from topologies import Registry
 
 from ..checks import check_int
-from ..seeding import generator
+from .bucket_batches import BucketBatchSampler, BucketStream
+from .bucket_lengths import bucket_of, check_lengths, padded_fraction, padding_cost
 
 __all__ = [
     "BUCKET_RULES",
@@ -64,49 +64,6 @@ _COST_LIMIT = 1 << 60
 # largest DP block (rows × columns) held at once: 2**21 int64 = 16 MiB
 _BLOCK = 1 << 21
 
-
-# --------------------------------------------------------------------------
-# validation at the door
-
-
-def _int_array(name: str, values, *, what: str = "positive integers") -> np.ndarray:
-    """``values`` as a non-empty 1-D int64 array of positive integers, or a ValueError naming the bad entry."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of {what}, got shape {arr.shape}")
-    if arr.size == 0:
-        raise ValueError(f"{name} is empty; it must hold at least one value")
-    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise ValueError(f"{name} must hold {what}, got dtype {arr.dtype} ({name}[0] = {arr[0]!r})")
-    if np.issubdtype(arr.dtype, np.floating):
-        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"{name}[{i}] = {arr[i].item()!r} is not an integer; {name} must hold {what}")
-        if np.abs(arr).max() >= 2.0**62:
-            raise ValueError(f"{name} holds {arr.max().item()!r}, too large for a length")
-    arr = arr.astype(np.int64)
-    bad = np.flatnonzero(arr < 1)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {int(arr[i])} is not positive; {name} must hold {what}")
-    return arr
-
-
-def _lengths(lengths) -> np.ndarray:
-    return _int_array("lengths", lengths)
-
-
-def _boundaries(boundaries) -> np.ndarray:
-    b = _int_array("boundaries", boundaries, what="positive integers in increasing order")
-    bad = np.flatnonzero(np.diff(b) <= 0)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"boundaries must increase strictly, but boundaries[{i}] = {int(b[i])} "
-                         f">= boundaries[{i + 1}] = {int(b[i + 1])}")
-    return b
 
 
 # --------------------------------------------------------------------------
@@ -153,7 +110,7 @@ def optimal_bucket_boundaries(lengths, n_buckets: int) -> list[int]:
     >>> optimal_bucket_boundaries([3, 1, 3], 5)
     [1, 3]
     """
-    arr = _lengths(lengths)
+    arr = check_lengths(lengths)
     n_buckets = check_int("n_buckets", n_buckets, 1)
     v, c = np.unique(arr, return_counts=True)
     m = len(v)
@@ -210,7 +167,7 @@ def quantile_bucket_boundaries(lengths, n_buckets: int) -> list[int]:
     >>> quantile_bucket_boundaries([1, 1, 1, 9], 3)
     [1, 9]
     """
-    arr = np.sort(_lengths(lengths))
+    arr = np.sort(check_lengths(lengths))
     K = check_int("n_buckets", n_buckets, 1)
     n = len(arr)
     idx = [-(-k * n // K) - 1 for k in range(1, K + 1)]
@@ -230,7 +187,7 @@ def uniform_bucket_boundaries(lengths, n_buckets: int) -> list[int]:
     >>> uniform_bucket_boundaries([1, 2, 3, 4, 5], 4)
     [2, 3, 4, 5]
     """
-    v = np.unique(_lengths(lengths))
+    v = np.unique(check_lengths(lengths))
     K = check_int("n_buckets", n_buckets, 1)
     lo, span = int(v[0]), int(v[-1] - v[0])
     # lengths are integers, so "≥ e_k" is "≥ ⌈e_k⌉", computed exactly in integers
@@ -253,206 +210,3 @@ def bucket_boundaries(lengths, n_buckets: int, rule: str = "optimal") -> list[in
     fn = BUCKET_RULES.get(rule)
     n_buckets = check_int("n_buckets", n_buckets, 0)
     return fn(lengths, max(1, n_buckets))
-
-
-# --------------------------------------------------------------------------
-# measures
-
-
-def bucket_of(lengths, boundaries) -> np.ndarray:
-    """Bucket index of every length: i with b_{i−1} < l ≤ b_i (b_0 = 0).
-
-    A length above the last bound is refused.
-
-    >>> bucket_of([1, 3, 4, 8], [3, 8]).tolist()
-    [0, 0, 1, 1]
-    """
-    arr, b = _lengths(lengths), _boundaries(boundaries)
-    over = np.flatnonzero(arr > b[-1])
-    if over.size:
-        i = int(over[0])
-        raise ValueError(f"lengths[{i}] = {int(arr[i])} exceeds the last bucket bound {int(b[-1])}")
-    return np.searchsorted(b, arr, side="left")
-
-
-def padding_cost(lengths, boundaries) -> int:
-    """Total padding Σ_i Σ_{l ∈ bucket i} (b_i − l) when every sequence is padded to its bucket's bound.
-
-    >>> padding_cost([1, 1, 2, 5, 5, 6, 9], [2, 9])  # (1 + 1 + 0) + (4 + 4 + 3 + 0)
-    13
-    """
-    arr, b = _lengths(lengths), _boundaries(boundaries)
-    return int((b[bucket_of(arr, b)] - arr).sum())
-
-
-def padded_fraction(lengths, batches: Sequence[Sequence[int]]) -> float:
-    """Fraction of padding when every batch is padded to its own longest sequence.
-
-        Σ_batch (|batch|·max_batch − Σ_{s ∈ batch} l_s) / Σ_batch |batch|·max_batch
-
-    ``batches`` are index batches into ``lengths`` (empty batches count for nothing).
-
-    >>> padded_fraction([1, 3, 2, 2], [[0, 1], [2, 3]])  # (2·3 − 4 + 0) / (6 + 4)
-    0.2
-    """
-    arr = _lengths(lengths)
-    sizes, parts = [], []
-    for k, batch in enumerate(batches):
-        idx = np.asarray(batch.tolist() if isinstance(batch, torch.Tensor) else batch).reshape(-1)
-        if idx.size and (not np.issubdtype(idx.dtype, np.integer) or idx.min() < 0 or idx.max() >= len(arr)):
-            raise ValueError(f"batches[{k}] holds {idx.tolist()!r}; indices must be integers in [0, {len(arr)})")
-        if idx.size:
-            sizes.append(idx.size)
-            parts.append(idx)
-    if not sizes:
-        raise ValueError("batches holds no index; padded_fraction needs at least one non-empty batch")
-    flat = arr[np.concatenate(parts)]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    padded_total = int((np.maximum.reduceat(flat, starts) * np.asarray(sizes)).sum())
-    return (padded_total - int(flat.sum())) / padded_total
-
-
-# --------------------------------------------------------------------------
-# batches
-
-
-def _buckets(lengths, boundaries) -> list[torch.Tensor]:
-    """The indices of every non-empty bucket, ascending, as LongTensors."""
-    which = bucket_of(lengths, boundaries)
-    order = np.argsort(which, kind="stable")
-    cuts = np.flatnonzero(np.diff(which[order])) + 1
-    return [torch.from_numpy(part.astype(np.int64)) for part in np.split(order, cuts)]
-
-
-def _n_batches(size: int, batch_size: int, drop_last: bool) -> int:
-    return size // batch_size if drop_last else -(-size // batch_size)
-
-
-def _epoch(buckets: list[torch.Tensor], batch_size: int, drop_last: bool,
-           gen: torch.Generator | None) -> list[torch.Tensor]:
-    """One epoch's batches: per bucket (in bucket order) shuffle and cut, then shuffle the batches.
-
-    ``gen=None`` shuffles nothing (batches in bucket order). The draws from
-    ``gen`` are: one randperm per bucket, in bucket order, then one randperm
-    over all batches.
-    """
-    batches = []
-    for idx in buckets:
-        if gen is not None:
-            idx = idx[torch.randperm(len(idx), generator=gen)]
-        parts = list(torch.split(idx, batch_size))
-        if drop_last and len(parts[-1]) < batch_size:
-            parts.pop()
-        batches.extend(parts)
-    if gen is not None:
-        batches = [batches[k] for k in torch.randperm(len(batches), generator=gen).tolist()]
-    return batches
-
-
-class BucketBatchSampler:
-    """One epoch of index batches per iteration, each batch from a single bucket.
-
-    Epoch e's batches depend only on (seed, e): they are drawn from the
-    generator :func:`cdsgd.seeding.generator` ``(seed, "bucketing", e)``. As
-    with torch's ``DistributedSampler``, :meth:`set_epoch` picks the epoch;
-    every ``iter()`` then uses the current epoch and moves on to the next, so
-    iterating repeatedly without ``set_epoch`` walks through epochs 0, 1, ….
-
-    With ``drop_last=False`` every index appears exactly once per epoch; with
-    ``drop_last=True`` each bucket's last, partial batch is left out.
-
-    Args:
-        lengths: positive integer sequence lengths; the batches index into them.
-        batch_size: the most indices per batch, >= 1.
-        boundaries: the buckets' increasing upper bounds (see :func:`bucket_boundaries`).
-        shuffle: shuffle within buckets and the order of batches (else bucket order).
-        seed: the seed of every epoch's order.
-        drop_last: drop each bucket's partial last batch.
-
-    >>> s = BucketBatchSampler([1, 5, 2, 6, 1], 2, [2, 6], seed=0)
-    >>> len(s), [sorted(b) for b in s]  # epoch 0; buckets {0, 2, 4} and {1, 3}
-    (3, [[0, 4], [2], [1, 3]])
-    >>> [sorted(b) for b in s]  # epoch 1
-    [[1, 3], [0], [2, 4]]
-    """
-
-    def __init__(self, lengths, batch_size: int, boundaries, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self.seed = check_int("seed", seed, 0)
-        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
-        self._buckets = _buckets(lengths, boundaries)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter()`` yields."""
-        self.epoch = check_int("epoch", epoch, 0)
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """Epoch ``epoch``'s batches (does not change :attr:`epoch`)."""
-        epoch = check_int("epoch", epoch, 0)
-        gen = generator(self.seed, "bucketing", epoch) if self.shuffle else None
-        return [b.tolist() for b in _epoch(self._buckets, self.batch_size, self.drop_last, gen)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = self.epoch_batches(self.epoch)
-        self.epoch += 1
-        return iter(batches)
-
-    def __len__(self) -> int:
-        return sum(_n_batches(len(b), self.batch_size, self.drop_last) for b in self._buckets)
-
-
-class BucketStream:
-    """Endless bucketed batches of indices, with the interface of :class:`cdsgd.simulator.BatchStream`.
-
-    Epoch after epoch as :class:`BucketBatchSampler` with ``shuffle=True,
-    drop_last=False``, but every epoch's order is drawn from ``gen`` (so the
-    simulator can seed it per agent). A batch may be shorter than
-    ``batch_size`` (a bucket's last batch); each epoch has
-    :attr:`batches_per_epoch` batches and covers every index once.
-
-    >>> s = BucketStream([1, 5, 2, 6, 1], 2, [2, 6], torch.Generator().manual_seed(0))
-    >>> s.batches_per_epoch, sorted(torch.cat([s.next() for _ in range(3)]).tolist())
-    (3, [0, 1, 2, 3, 4])
-    """
-
-    def __init__(self, lengths, batch_size: int, boundaries, gen: torch.Generator) -> None:
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self._buckets = _buckets(lengths, boundaries)
-        self.n = sum(len(b) for b in self._buckets)
-        self.gen = gen
-        self._sizes = sorted(len(p) for b in self._buckets for p in torch.split(b, self.batch_size))
-        self.batches_per_epoch = len(self._sizes)
-        self._new_epoch()
-
-    def _new_epoch(self) -> None:
-        self._batches = _epoch(self._buckets, self.batch_size, False, self.gen)
-        self._pos = 0
-
-    def state_dict(self) -> dict:
-        """The position in the stream: this epoch's batches, the place in them, the generator state.
-
-        Only tensors and ints, so ``torch.load(weights_only=True)`` reads it back.
-        """
-        return {"order": torch.cat(self._batches),
-                "sizes": torch.tensor([len(b) for b in self._batches], dtype=torch.int64),
-                "pos": self._pos, "gen": self.gen.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        order, sizes, pos = state["order"], state["sizes"], int(state["pos"])
-        if (order.shape != (self.n,) or sorted(sizes.tolist()) != self._sizes
-                or not torch.equal(torch.sort(order).values, torch.arange(self.n))
-                or not 0 <= pos <= self.batches_per_epoch):
-            raise ValueError(f"bucketed stream state is for {order.numel()} samples in {sizes.numel()} batches, "
-                             f"not {self.n} samples in {self.batches_per_epoch} batches of these buckets")
-        self._batches = list(torch.split(order.clone(), sizes.tolist()))
-        self._pos = pos
-        self.gen.set_state(state["gen"])
-
-    def next(self) -> torch.Tensor:
-        if self._pos == self.batches_per_epoch:
-            self._new_epoch()
-        batch = self._batches[self._pos]
-        self._pos += 1
-        return batch

@@ -17,13 +17,12 @@ seeded subset of the test set).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # the executor that calls these functions
-    from .core import Executor
+# Every function takes the executor ``ex`` (cdsgd.executor.Executor) that holds the agents.
 
 __all__ = ["METRIC_COLUMNS", "average_params", "consensus_distance", "eval_params", "evaluate", "pick_agents"]
 
@@ -52,18 +51,18 @@ def pick_agents(n: int, k: int | None) -> list[int]:
     return sorted({int(round(v)) for v in np.linspace(0, n - 1, k)})
 
 
-def _sum(ex: "Executor", values: Sequence[float]) -> list[float]:
+def _sum(ex, values: Sequence[float]) -> list[float]:
     """Sum over all agents of per-process partial sums (float64)."""
     return ex.reducer.sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
-def average_params(ex: "Executor") -> torch.Tensor:
+def average_params(ex) -> torch.Tensor:
     """x̄ = (1/N) Σ_j x_j over all agents (a P-vector)."""
     total = ex.reducer.sum(ex.X.double().sum(dim=0))
     return (total / ex.n_agents).to(ex.dtype)
 
 
-def consensus_distance(ex: "Executor", xbar: torch.Tensor | None = None) -> float:
+def consensus_distance(ex, xbar: torch.Tensor | None = None) -> float:
     """sqrt(mean_j ‖x_j − x̄‖²) over all agents."""
     xbar = average_params(ex) if xbar is None else xbar
     local = float(((ex.X.double() - xbar.double()) ** 2).sum())
@@ -71,7 +70,7 @@ def consensus_distance(ex: "Executor", xbar: torch.Tensor | None = None) -> floa
 
 
 @torch.no_grad()
-def eval_params(ex: "Executor", flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def eval_params(ex, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Mean test loss and accuracy of each row of ``flats`` (evaluated with local module ``model_ids[i]``)."""
     tx, ty = ex.test_set
     n = len(ty)
@@ -88,7 +87,7 @@ def eval_params(ex: "Executor", flats: torch.Tensor, model_ids: list[int]) -> tu
     return loss_sum / n, correct / n
 
 
-def evaluate(ex: "Executor") -> dict:
+def evaluate(ex) -> dict:
     """A metrics row for the executor's current state; resets its train-loss window."""
     loss_sum, loss_count = _sum(ex, [ex._loss_sum, float(ex._loss_count)])
     ex._loss_sum, ex._loss_count = 0.0, 0
