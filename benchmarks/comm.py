@@ -3,16 +3,17 @@ r"""Cost of communication in the distributed runtime, against its floors.
 Run::
 
     python benchmarks/comm.py             # 2, 4, 8 ranks; 1e4, 1e5, 1e6 floats (a few min on 2 cores)
-    python benchmarks/comm.py --quick     # 2 and 4 ranks; 1e4, 1e5 floats; fewer repeats (< 90 s)
+    python benchmarks/comm.py --quick     # 2 and 4 ranks; 1e4, 1e5 floats; fewer repeats (1–1.5 min on 2 cores)
     python benchmarks/comm.py --markdown  # the same tables as Markdown
 
-The script spawns its own gloo process groups on 127.0.0.1 (one per world
-size, ``GLOO_SOCKET_IFNAME=lo``, a free port), every rank with
-``torch.set_num_threads(1)``; rank 0 sends the medians back to the parent.
-Every group has a hard deadline: ranks that have not finished by then are
-killed and their table cells read ``failed``; the script never hangs. On a
-machine with fewer cores than ranks the ranks share cores (the header says
-so): then every variant of a table is slowed alike, and the ratios are the
+The script runs each world size as its own gloo process group on 127.0.0.1,
+started by ``cdsgd.testing.run_ranks`` (the harness the tests use: spawned
+ranks, ``GLOO_SOCKET_IFNAME=lo``, a free port, ``torch.set_num_threads(1)``
+in every rank); rank 0 returns the medians to the parent. Every group has a
+hard deadline: past it its ranks are killed and its table cells read
+``failed`` (as when a rank raises); the script never hangs. On a machine
+with fewer cores than ranks the ranks share cores (the header says so):
+then every variant of a table is slowed alike, and the ratios are the
 figures to read, not the milliseconds.
 
 Method, for every figure: warm-up calls of every variant first; then
@@ -29,21 +30,32 @@ quotients of medians.
    the same rank, so each rank exchanges with one peer, once) and a flat
    float32 vector of P floats:
 
-   ``floor``
-       the raw floor: a hand-written ``dist.batch_isend_irecv`` with a send
-       to and a receive from each distinct ring neighbour into preallocated
-       buffers, then ``wait()`` on every request; no weighting.
+   ``raw exchange``
+       the transport alone: a hand-written ``dist.batch_isend_irecv`` with
+       a send to and a receive from each distinct ring neighbour, into the
+       rows of a preallocated degree×P matrix, then ``wait()`` on every
+       request; no weighting.
+   ``fair floor (exchange + weighted sum)``
+       what any implementation of the mixing step must do: the raw exchange
+       followed by the same fused weighted sum the mixer computes,
+       ``torch.addmv(x, R.t(), w, beta=W[rank, rank], out=out)`` over the
+       stacked receive buffers R (w: this rank's neighbour weights, in x's
+       dtype; ``out`` preallocated). The script checks that its result is
+       bit-for-bit the mixer's.
    ``ours``
        ``NeighbourMixer(W, rank).mix(x)`` with W the ring's Metropolis
-       mixing matrix: the same exchange plus the bookkeeping, the timed
-       waits and the weighted sum Σ_l W[rank, l] x_l.
+       mixing matrix: the same exchange and sum, plus the mixer's
+       bookkeeping (handle, byte count) and its waits with a timeout.
    ``all_reduce``
        ``dist.all_reduce`` of a P-float buffer (zeros, so that repeated
        in-place sums stay finite), what centralized SGD pays per step.
 
-   ``ours/floor`` is the overhead of our exchange over the raw transport
-   (1.0 = none); ``ours/all_reduce`` < 1 means the neighbour exchange is
-   cheaper than the collective it replaces.
+   ``ours/fair floor`` is the overhead of the mixer over doing the same
+   work by hand (1.0 = none): the main figure. ``ours/raw`` also counts the
+   weighted sum, which the mixing step cannot skip (a pass over the
+   degree+1 vectors, run after the exchange completes).
+   ``ours/all_reduce`` < 1 means the neighbour exchange is cheaper than the
+   collective it replaces.
 
 2. A CDSGD step (ms per step), 4 ranks on a ring, each rank running the
    runtime executor ``Simulator(model_fn, shards, NeighbourMixer(W, rank),
@@ -74,7 +86,7 @@ quotients of medians.
    than running the ranks as processes on this machine.
 
 Goals (stated, not asserted; the numbers depend on the machine and load):
-the exchange ≤ 1.1× the raw floor (``ours/floor``); the neighbour exchange
+the mixer ≤ 1.1× the fair floor (``ours/fair floor``); the neighbour exchange
 ≤ 0.4× an all-reduce of the same buffer at 8 ranks (``ours/all_reduce``);
 an overlapped CDSGD step ≤ 1.1× the compute-only step
 (``overlapped/compute``).
@@ -90,7 +102,6 @@ import platform
 import statistics
 import sys
 import time
-import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -98,12 +109,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import topologies  # noqa: E402
-from cdsgd.cli import free_port  # noqa: E402
 from cdsgd.models import build_model  # noqa: E402
 from cdsgd.simulator import Simulator  # noqa: E402
+from cdsgd.testing import run_ranks  # noqa: E402
 
 INPUT_SHAPE = (1, 28, 28)
 N_CLASSES = 10
@@ -192,16 +202,26 @@ def _bench_exchange(rank: int, world: int, mode: dict, quick: bool) -> list[dict
     out = []
     for p in mode["sizes"]:
         x = torch.randn(p, generator=torch.Generator().manual_seed(100 + rank))
-        bufs = [torch.empty_like(x) for _ in peers]
-        ar = torch.zeros_like(x)
         mixer = NeighbourMixer(W, rank, timeout=COMM_TIMEOUT)
         assert mixer.neighbours == peers, (mixer.neighbours, peers)
+        # the floors' buffers, laid out as the mixer's: the receives land in the rows of one
+        # degree×P matrix, the weights are this rank's row of W in x's dtype, the output is preallocated
+        recv = x.new_empty((len(peers), p))
+        rows = list(recv)
+        w = torch.tensor([float(W[rank, q]) for q in peers], dtype=x.dtype)
+        w_self = float(W[rank, rank])
+        mixed = torch.empty_like(x)
+        ar = torch.zeros_like(x)
 
-        def floor():
+        def raw():
             ops = [dist.P2POp(dist.isend, x, q) for q in peers]
-            ops += [dist.P2POp(dist.irecv, b, q) for q, b in zip(peers, bufs)]
+            ops += [dist.P2POp(dist.irecv, b, q) for q, b in zip(peers, rows)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+        def fair():
+            raw()
+            torch.addmv(x, recv.t(), w, beta=w_self, out=mixed)  # the mixer's fused pass, exactly
 
         def ours():
             mixer.mix(x)
@@ -209,16 +229,19 @@ def _bench_exchange(rank: int, world: int, mode: dict, quick: bool) -> list[dict
         def all_reduce():
             dist.all_reduce(ar)
 
-        # sanity: both exchanges deliver what they should (else the timings mean nothing)
-        floor()
+        # sanity: every variant delivers what it should (else the timings mean nothing)
+        raw()
         xs = {q: torch.randn(p, generator=torch.Generator().manual_seed(100 + q)) for q in peers}
-        for q, b in zip(peers, bufs):
+        for q, b in zip(peers, rows):
             assert torch.equal(b, xs[q]), f"rank {rank}: raw exchange with rank {q} delivered wrong data"
         expect = W[rank, rank] * x.double() + sum(W[rank, q] * xs[q].double() for q in peers)
-        torch.testing.assert_close(mixer.mix(x).double(), expect, rtol=1e-5, atol=1e-5)
+        got = mixer.mix(x)
+        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-5)
+        fair()
+        assert torch.equal(mixed, got), f"rank {rank}: the fair floor's sum differs from the mixer's"
 
         calls = CALLS[p][1 if quick else 0]
-        med = _interleaved({"floor": floor, "ours": ours, "all_reduce": all_reduce}, calls,
+        med = _interleaved({"raw": raw, "fair": fair, "ours": ours, "all_reduce": all_reduce}, calls,
                            mode["repeats"], mode["warmup"])
         out.append({"n": world, "p": p, **{k: v * 1e3 for k, v in med.items()}})
     return out
@@ -247,69 +270,29 @@ def _bench_steps(rank: int, world: int, mode: dict, quick: bool) -> list[dict]:
     return out
 
 
-def _worker(rank, world, port, plan, quick, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=COMM_TIMEOUT))
-        mode = MODES["quick" if quick else "full"]
-        result = {}
-        if "exchange" in plan:
-            result["exchange"] = _bench_exchange(rank, world, mode, quick)
-        if "steps" in plan:
-            result["steps"] = _bench_steps(rank, world, mode, quick)
-        # leave together: a rank tearing down its connections would fail a peer still in a collective
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=COMM_TIMEOUT))
-        queue.put((rank, "ok", result if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _group(rank: int, world: int, plan: tuple, quick: bool):
+    """One rank of a group (run by cdsgd.testing.run_ranks): the plan's benchmarks; rank 0 returns them."""
+    mode = MODES["quick" if quick else "full"]
+    result = {}
+    if "exchange" in plan:
+        result["exchange"] = _bench_exchange(rank, world, mode, quick)
+    if "steps" in plan:
+        result["steps"] = _bench_steps(rank, world, mode, quick)
+    # leave together: a rank tearing down its connections would fail a peer still in a collective
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=COMM_TIMEOUT))
+    return result if rank == 0 else None
 
 
 # --------------------------------------------------------------------------- the parent
 
 
 def run_group(world: int, plan: tuple, quick: bool, deadline_s: float) -> dict:
-    """Run ``plan`` in ``world`` gloo ranks; rank 0's result. Kills every rank past the deadline."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, plan, quick, queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + deadline_s
-    done, errors, result = set(), {}, None
-    try:
-        while len(done) + len(errors) < world:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world)) - done - set(errors))
-                raise TimeoutError(f"{world} ranks: ranks {missing} did not finish within {deadline_s:g} s")
-            if not queue.empty():
-                rank, status, value = queue.get()
-                if status == "ok":
-                    done.add(rank)
-                    if rank == 0:
-                        result = value
-                else:
-                    errors[rank] = value
-            elif all(not p.is_alive() for p in procs) and queue.empty():
-                raise RuntimeError(f"{world} ranks died without reporting (exit codes {[p.exitcode for p in procs]})")
-            else:
-                time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        rank = min(errors)
-        raise RuntimeError(f"{world} ranks: rank {rank} failed:\n{errors[rank]}")
-    return result
+    """Run ``plan`` in ``world`` gloo ranks; rank 0's result.
+
+    Raises (TimeoutError past the deadline, after killing every rank; RanksFailed when a rank
+    raised): the caller marks that group's cells ``failed`` and goes on.
+    """
+    return run_ranks(_group, world, plan, quick, timeout=deadline_s, pg_timeout=COMM_TIMEOUT)[0]
 
 
 def bench_simulator(mode: dict, quick: bool) -> dict:
@@ -412,13 +395,15 @@ def main(argv=None) -> int:
     fmt = format_markdown if args.markdown else format_plain
 
     print("1. Neighbour exchange on a ring, ms per exchange (float32)\n")
-    header = ["N", "floats", "floor ms", "ours ms", "all_reduce ms", "ours/floor", "ours/all_reduce"]
+    header = ["N", "floats", "raw exchange ms", "fair floor ms (exchange + weighted sum)", "ours ms",
+              "all_reduce ms", "ours/fair floor", "ours/raw", "ours/all_reduce"]
     rows = []
     for n in mode["worlds"]:
         for p in mode["sizes"]:
             r = exchange.get((n, p), {})
-            f, o, a = r.get("floor"), r.get("ours"), r.get("all_reduce")
-            rows.append([str(n), fmt_floats(p), fmt_ms(f), fmt_ms(o), fmt_ms(a), fmt_ratio(o, f), fmt_ratio(o, a)])
+            raw, fair, o, a = r.get("raw"), r.get("fair"), r.get("ours"), r.get("all_reduce")
+            rows.append([str(n), fmt_floats(p), fmt_ms(raw), fmt_ms(fair), fmt_ms(o), fmt_ms(a),
+                         fmt_ratio(o, fair), fmt_ratio(o, raw), fmt_ratio(o, a)])
     print(fmt(header, rows, left=set()))
 
     print(f"\n2. CDSGD step, {STEP_WORLD} ranks on a ring, ms per step (runtime executor)\n")

@@ -76,8 +76,7 @@ def _two_processes(T, hidden, batch, iters, repeats):
     dist_fn = getattr(mgrit, "mgrit_gru_distributed", None)
     if dist_fn is None:
         return None
-    sys.path.insert(0, str(ROOT / "tests"))
-    from dist_harness import run_ranks
+    from cdsgd.testing import run_ranks
 
     results = run_ranks(_rank_pass, 2, T, hidden, batch, iters, repeats, timeout=1800)
     return results[0]

@@ -2,7 +2,7 @@ r"""Speed of the single-process simulator against the compute limit.
 
 Run::
 
-    python benchmarks/simulator.py             # N ∈ {8, 32}, ~10 min on 2 cores
+    python benchmarks/simulator.py             # N ∈ {8, 32}, a few minutes on 2 cores
     python benchmarks/simulator.py --quick     # N = 8, fewer steps (smoke test, < 60 s)
     python benchmarks/simulator.py --markdown  # the same table as Markdown
 

@@ -204,9 +204,9 @@ class SequenceClassifier(nn.Module):
     but cannot reach the output, so both give the same logits and gradients
     (to rounding). ``trim=False`` skips the cut: every batch runs over the
     data set's full padded length, the fixed-shape baseline bucketing is
-    measured against. On CPU the padded form is the faster one, by far (a PLAID
-    epoch, LSTM hidden 32: 0.93 s padded, 6.31 s packed; benchmarks/bucketing.py):
-    there the cost follows the number of time steps, not of elements.
+    measured against. On CPU the padded form is the faster one, by far (the
+    figures are in docs/benchmarks.md, from benchmarks/bucketing.py): there the
+    cost follows the number of time steps, not of elements.
 
     >>> m = SequenceClassifier("lstm", (6, 3), 4, hidden=8)
     >>> x = torch.zeros(2, 6, 3); x[0, :6, 0] = 1; x[1, :2, 0] = 1

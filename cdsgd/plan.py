@@ -11,7 +11,7 @@ returns the :class:`Parts` the executor consumes.
     >>> from cdsgd.config import load_config
     >>> plan = validate_config(load_config(overrides=["topology=torus", "n_agents=9", "algorithm=cdsgd"]))
     >>> plan.W.shape, type(plan.algorithm).__name__, round(plan.spectral_gap.gap, 4)
-    ((9, 9), 'CDSGDAlgorithm', 0.2963)
+    ((9, 9), 'CDSGDAlgorithm', 0.6)
 """
 
 from __future__ import annotations
