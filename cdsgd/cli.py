@@ -102,16 +102,25 @@ def _cmd_topo(args) -> int:
 # ---------------------------------------------------------------------- run
 
 
-def _add_run(sub) -> None:
-    from .config import config_keys
+def _config_help() -> str:
+    """Every config key with its default and help, as each field of Config declares them."""
+    from .config import config_keys, key_info, toml_value
 
+    lines = ["config keys (key = default: meaning):"]
+    for name in config_keys():
+        info = key_info(name)
+        lines.append(f"  {name} = {toml_value(info['default'])}: {info['help']}")
+    return "\n".join(lines)
+
+
+def _add_run(sub) -> None:
     p = sub.add_parser(
         "run",
         help="run one experiment and write its output folder",
         description="Run one experiment from a TOML config and key=value overrides (both optional: the "
         "defaults are the README's main job: digits, 5 agents, ring, Metropolis weights, CDMSGD). Writes "
         "config.toml, metrics.csv and summary.json into the folder given by out=.",
-        epilog="config keys: " + ", ".join(config_keys()) + "\n"
+        epilog=_config_help() + "\n"
         "examples:\n  cdsgd run\n  cdsgd run experiments/paper/fashion_mnist_ring_iid.toml epochs=2\n"
         "  cdsgd run algorithm=cdsgd topology=torus n_agents=9 lr=0.1 out=runs/torus9\n"
         "docs: docs/running.md",

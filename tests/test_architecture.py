@@ -138,3 +138,13 @@ def test_one_run_builds_the_mixing_matrix_and_the_algorithm_once(tmp_path, monke
     assert code == 0
     assert calls["mixing_matrix"] == 1 and calls["make_algorithm"] == 1, calls
     assert calls["validate"] <= 1, calls  # mixing_matrix validates what it builds; nobody validates W again
+
+
+def test_every_config_key_is_documented_and_helped():
+    """docs/running.md's table and `cdsgd run --help` cover every key Config declares."""
+    from cdsgd.config import config_keys, key_info
+
+    table = (ROOT / "docs" / "running.md").read_text()
+    missing = [k for k in config_keys() if f"`{k}`" not in table]
+    assert not missing, f"config keys missing from docs/running.md: {missing}"
+    assert all(key_info(k)["help"] for k in config_keys())

@@ -24,7 +24,7 @@ def test_topologies_does_not_import_torch():
     ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
      "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator", "cdsgd.config",
      "cdsgd.data.partition", "cdsgd.data.datasets", "cdsgd.data.bucketing", "cdsgd.data.sequences",
-     "cdsgd.checkpoint", "cdsgd.checks", "cdsgd.files", "cdsgd.flat", "cdsgd.plan", "cdsgd.executor.evaluation",
+     "cdsgd.checkpoint", "cdsgd.checks", "cdsgd.files", "cdsgd.flat", "cdsgd.plan", "cdsgd.executor.evaluation", "cdsgd.executor.core",
      "cdsgd.algorithms.rules", "cdsgd.algorithms.optim", "cdsgd.mixing", "cdsgd.mgrit", "cdsgd.mgrit.cell",
      "cdsgd.mgrit.solver", "cdsgd.mgrit.layer", "cdsgd.data.formats", "cdsgd.data.augment"],
 )

@@ -33,18 +33,18 @@ bookkeeping are the same code. ``Simulator`` is this class's other name.
 Gradients: :mod:`cdsgd.executor.gradients` (``loop`` or ``vmap``, chosen by
 ``strategy``). Metrics: :mod:`cdsgd.executor.evaluation`.
 
-Example (4 agents on a ring learn a linear classifier)::
+Example (3 agents on a path, step by step; every agent starts from the
+same parameters, so after one step they differ only through their batches)::
 
     >>> import torch, topologies
     >>> from torch import nn
-    >>> g = torch.Generator().manual_seed(0)
-    >>> Xs = torch.randn(400, 5, generator=g); ys = (Xs[:, 0] > 0).long()
-    >>> shards = [(Xs[i::4], ys[i::4]) for i in range(4)]
-    >>> W = topologies.mixing_matrix(topologies.build("ring", 4))
-    >>> result = simulate(lambda: nn.Linear(5, 2), shards, W, "cdsgd", lr=0.5,
-    ...                   epochs=5, batch_size=20, test_set=(Xs, ys))
-    >>> result.metrics[-1]["test_accuracy"] > 0.9, result.params.shape
-    (True, torch.Size([4, 12]))
+    >>> shards = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(3)]
+    >>> W = topologies.mixing_matrix(topologies.build("path", 3))
+    >>> ex = Executor(lambda: nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=4)
+    >>> ex.X.shape, ex.strategy, ex.steps_per_epoch
+    (torch.Size([3, 8]), 'vmap', 2)
+    >>> _ = ex.step(); ex.k, ex.evaluate()["step"]
+    (1, 1)
 """
 
 from __future__ import annotations
