@@ -18,6 +18,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - before init_process_group: see the note at the end of main
 import torch.nn.functional as F
 from torch import nn
 
@@ -64,7 +65,13 @@ def main() -> None:
             dist.broadcast(ref, src=0)  # evaluation only: how far from rank 0?
         print(f"rank {rank} epoch {epoch + 1}: test accuracy {acc:.3f}, |x_j - x_0| = {(flat - ref).norm():.4f}",
               flush=True)
-    dist.barrier()
+    dist.barrier()  # leave together: no rank closes its connections while a peer still reads from them
+    # Tear gloo down here, while Python is fully alive. This works only if nothing else still holds the
+    # process group. torch.distributed.nn binds group.WORLD as a default argument when it is imported,
+    # and the first optimizer imports it (through torch._dynamo). If that import happened after
+    # init_process_group, the group would outlive destroy_process_group. Its gloo threads would then
+    # still be running at interpreter shutdown and could abort the process ("terminate called without
+    # an active exception", exit -6) after all the work was done. That is why it is imported at the top.
     dist.destroy_process_group()
 
 
