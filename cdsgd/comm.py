@@ -10,9 +10,11 @@ and the MGRIT time chain all need:
     wait for a ``torch.distributed`` work handle with a timeout, turning
     gloo's failures into a one-line :class:`CommError`.
 :func:`exchange`
-    post a list of sends and receives as **one** ``batch_isend_irecv``
-    (pairing every send and receive of a step in one batch is what keeps a
-    neighbour exchange free of deadlocks) and return the work handles.
+    post a list of sends and receives together and return the work handles:
+    one ``batch_isend_irecv`` on nccl (pairing every send and receive of a
+    step in one batch is what keeps a neighbour exchange free of deadlocks),
+    one posting per operation on gloo (what gloo's batch does anyway), so
+    that an operation whose peer is gone fails alone, naming that peer.
 
 One point-to-point convention everywhere: **a peer is a rank of the given
 group** (of the default group when ``group`` is None). :func:`exchange`
@@ -81,22 +83,48 @@ def global_rank(group, peer: int) -> int:
     return dist.get_global_rank(group, int(peer))
 
 
-def exchange(ops: Sequence[tuple[str, torch.Tensor, int]], *, group=None, what: str) -> list:
-    """Post ``[("send"|"recv", tensor, peer), ...]`` as one batch; return the works (same order).
+class _Failed:
+    """The work of an operation that could not even be posted: waiting on it raises the posting's error."""
 
-    ``peer`` is a rank of ``group``. A batch that cannot even be posted (a
-    closed connection) is a CommError naming ``what``.
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def wait(self, timeout=None):
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def exchange(ops: Sequence[tuple[str, torch.Tensor, int]], *, group=None, what: str) -> list:
+    """Post ``[("send"|"recv", tensor, peer), ...]``; return the works (same order).
+
+    ``peer`` is a rank of ``group``. On gloo each operation is posted on its
+    own (gloo's ``batch_isend_irecv`` is that same loop), so an operation that
+    cannot even be posted (its peer's connection is closed) fails alone: its
+    work raises on :func:`wait`, which then names that peer, while the others
+    stay posted. On other backends (nccl needs the grouping to stay free of
+    deadlocks) the list is one ``batch_isend_irecv``, and a failed posting is
+    a CommError naming ``what``.
     """
     import torch.distributed as dist
 
     if not ops:
         return []
     kinds = {"send": dist.isend, "recv": dist.irecv}
-    p2p = []
-    for kind, tensor, peer in ops:
+    for kind, _, _ in ops:
         if kind not in kinds:
             raise ValueError(f"operation {kind!r} is unknown; allowed: send, recv")
-        p2p.append(dist.P2POp(kinds[kind], tensor, global_rank(group, peer), group))
+    targets = [(kinds[kind], tensor, global_rank(group, peer)) for kind, tensor, peer in ops]
+    if dist.get_backend(group) == "gloo":
+        works = []
+        for post, tensor, peer in targets:
+            try:
+                works.append(post(tensor, peer, group))
+            except RuntimeError as e:  # a closed connection fails the posting itself
+                works.append(_Failed(e))
+        return works
+    p2p = [dist.P2POp(post, tensor, peer, group) for post, tensor, peer in targets]
     try:
         return dist.batch_isend_irecv(p2p)
     except RuntimeError as e:  # a closed connection can fail the posting itself

@@ -90,6 +90,7 @@ def free_port(addr: str = "127.0.0.1") -> int:
 def _worker(rank: int, world: int, port: int, fn, args: tuple, queue, pg_timeout: float) -> None:
     import torch
     import torch.distributed as dist
+    import torch.distributed.nn  # noqa: F401 - before the join, as cdsgd.runtime.group.DistGroup explains
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)

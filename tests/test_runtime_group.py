@@ -89,3 +89,56 @@ def test_local_group_is_one_process_that_agrees_with_itself():
 ])
 def test_failure_status(error, lost, stopped, status):
     assert Failure("m", lost, stopped).status(error) == status
+
+
+def _store(world, *, down=(), elsewhere=()):
+    """A rendezvous store as the ranks leave it: who runs where, and who said it was going down."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for r in range(world):  # ranks in ``elsewhere`` run on another host (no local pid to check)
+        host = "another-host" if r in elsewhere else socket.gethostname()
+        store.set(f"cdsgd/proc/rank{r}", f"{host} {os.getpid()}")
+    for r in down:
+        store.set(f"cdsgd/down/rank{r}", "1")
+    return store
+
+
+def test_a_neighbour_that_left_after_its_own_failure_is_not_named_lost():
+    """Ring 0-1-2-3: rank 3 (another host) dies; ranks 0 and 2 fail and leave; rank 1 then sees rank 0's connection
+    close. Rank 0 said it was going down, so rank 1 must not record it as lost: it names the silent rank 3."""
+    from cdsgd.runtime.group import _lost_ranks
+
+    store = _store(4, down=(0, 2), elsewhere=(3,))
+    e = CommError("rank 1: receiving parameters from neighbour rank 0 failed: Connection reset by peer", 0)
+    assert _lost_ranks(store, e, 1, 4) == ([3], 1, False)
+    assert not store.check(["cdsgd/lost/rank"])  # the knock-on was not recorded for the others to read
+
+
+def test_a_knock_on_failure_reads_the_record_of_the_first_report():
+    """Once a neighbour of the dead rank recorded it, a rank failing by a knock-on reads that record."""
+    import threading
+
+    from cdsgd.runtime.group import _lost_ranks
+
+    store = _store(4, down=(0,), elsewhere=(3,))
+    first = CommError("rank 2: receiving parameters from neighbour rank 3 failed", 3)
+    later = threading.Timer(0.2, lambda: _lost_ranks(store, first, 2, 4))
+    later.start()  # rank 2's report arrives while rank 1 waits
+    try:
+        knock_on = CommError("rank 1: receiving parameters from neighbour rank 0 failed", 0)
+        assert _lost_ranks(store, knock_on, 1, 4) == ([3], 2, False)
+    finally:
+        later.join()
+
+
+def test_a_vanished_peer_is_recorded_by_the_first_rank_to_see_it():
+    from cdsgd.runtime.group import _lost_ranks
+
+    store = _store(3)
+    e = CommError("rank 0: receiving parameters from neighbour rank 1 failed", 1)
+    assert _lost_ranks(store, e, 0, 3) == ([1], 0, False)
+    assert store.get("cdsgd/lost/rank").decode() == "1 0"

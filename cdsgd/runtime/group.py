@@ -153,6 +153,10 @@ class DistGroup(Group):
 
     def __init__(self, *, device: str, comm_timeout: float) -> None:
         import torch.distributed as dist
+        # Before joining: torch.distributed.nn binds group.WORLD as a default argument when imported (the first
+        # optimizer imports it through torch._dynamo); imported after the join, it would keep the group alive
+        # past destroy_process_group, and gloo's threads could abort the process at exit (exit -6).
+        import torch.distributed.nn  # noqa: F401
 
         self.dist, self.timeout = dist, float(comm_timeout)
         if device == "cuda":
@@ -291,8 +295,10 @@ def _lost_ranks(store, e: BaseException, rank: int, world: int) -> tuple[list[in
     first (``cdsgd/stopping/rankR``); a rank that died (SIGKILL, a lost node)
     says nothing. A rank that saw a neighbour's connection close knows the
     peer: if that peer was stopping, the run is being stopped and nothing was
-    lost; else it records the peer (the first report wins: later ones may be
-    knock-on failures). Any other failing rank (a collective failed, or
+    lost; if it had said it was going down, it left after a failure of its
+    own (a knock-on) and this rank waits for the record like the others; else
+    it records the peer (the first report wins: later ones may be knock-on
+    failures too). Any other failing rank (a collective failed, or
     torchrun's SIGTERM) waits up to :data:`LOST_PATIENCE` seconds for that
     record, naming at once any rank on its own host whose process is gone
     without a word; at the end, ranks on other hosts that never said they
@@ -307,7 +313,8 @@ def _lost_ranks(store, e: BaseException, rank: int, world: int) -> tuple[list[in
     if peer is not None:
         if store.check([f"cdsgd/stopping/rank{peer}"]):
             return [], rank, True
-        if store.add("cdsgd/lost/ticket", 1) == 1:
+        # a peer that said it was going down left after a failure of its own: a knock-on, not the loss
+        if not store.check([f"cdsgd/down/rank{peer}"]) and store.add("cdsgd/lost/ticket", 1) == 1:
             store.set("cdsgd/lost/rank", f"{peer} {rank}")
             return [peer], rank, False
     host = socket.gethostname()
