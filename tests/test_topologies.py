@@ -295,3 +295,77 @@ def test_validate_accepts_within_tolerance_and_returns_float():
     assert out.dtype == np.float64
     with pytest.raises(ValueError, match=re.escape("row 0 sums to")):
         validate(np.array([[0.5, 0.5], [0.5, 0.5]]) + 1e-7)
+
+
+# ---------------------------------------------------------------- large graphs: sparse matrices
+
+
+@pytest.mark.parametrize("rule", ["metropolis", "max_degree", "lazy_metropolis"])
+@pytest.mark.parametrize("name", ["ring", "star", "torus", "erdos_renyi", "small_world"])
+def test_sparse_mixing_matrix_equals_the_dense_one(name, rule):
+    G = build(name, 36)
+    S = mixing_matrix(G, rule, sparse=True)
+    assert S.format == "csr" and S.nnz == 36 + 2 * G.number_of_edges()
+    np.testing.assert_array_equal(S.toarray(), mixing_matrix(G, rule))
+
+
+def test_sparse_weight_and_uniform_rules_equal_the_dense_ones():
+    G = build("hypercube", 16)
+    np.testing.assert_array_equal(mixing_matrix(G, "uniform", sparse=True).toarray(), mixing_matrix(G, "uniform"))
+    H = nx.cycle_graph(5)
+    nx.set_edge_attributes(H, 0.25, "weight")
+    np.testing.assert_array_equal(mixing_matrix(H, "weight", sparse=True).toarray(), mixing_matrix(H, "weight"))
+
+
+def _sparse(A):
+    import scipy.sparse as sp
+
+    return sp.csr_array(np.asarray(A, dtype=np.float64))
+
+
+@pytest.mark.parametrize("W, message", [
+    ([[1.2, -0.2], [-0.2, 1.2]], r"entry W\[0, 1\] = -0.2 is negative"),
+    ([[np.nan, 0.5], [0.5, 0.5]], r"W\[0, 0\] = nan is not finite"),
+    ([[0.5, 0.5, 0.0], [0.3, 0.4, 0.3], [0.2, 0.1, 0.7]], r"not symmetric: W\[0, 1\] = 0.5 but W\[1, 0\] = 0.3"),
+    ([[0.5, 0.4], [0.4, 0.5]], r"row 0 sums to 0.9, not 1"),
+    (np.eye(3), r"graph is not connected: 3 components"),
+])
+def test_sparse_validation_names_the_same_faults(W, message):
+    with pytest.raises(ValueError, match=message):
+        validate(W)
+    with pytest.raises(ValueError, match=message):
+        validate(_sparse(W))
+
+
+def test_sparse_validation_checks_the_graph_support():
+    with pytest.raises(ValueError, match=r"W\[0, 2\] = 0.25 but nodes 0 and 2 are not linked"):
+        validate(mixing_matrix(build("complete", 4), sparse=True), build("ring", 4))
+
+
+@pytest.mark.parametrize("name, params", [
+    ("ring", {}), ("path", {}), ("star", {}), ("torus", {}), ("exponential", {}),
+    ("erdos_renyi", {"p": 0.02}), ("small_world", {}), ("random_regular", {}), ("complete", {}),
+])
+def test_sparse_spectral_gap_agrees_with_the_dense_eigenvalues(name, params):
+    """Above SPARSE_EIGEN_FROM nodes the gap comes from Lanczos (plain or shift-invert); at 600 both solvers run."""
+    from topologies.mixing import SPARSE_EIGEN_FROM
+
+    n = 600
+    assert n >= SPARSE_EIGEN_FROM
+    for rule in ("metropolis", "max_degree"):
+        W = mixing_matrix(build(name, n, **params), rule, sparse=True)
+        lam = np.sort(np.linalg.eigvalsh(W.toarray()))
+        expected = 1 - max(abs(lam[-2]), abs(lam[0]))
+        got = spectral_gap(W)
+        assert got.gap == pytest.approx(expected, rel=1e-8, abs=1e-12), (rule, got, expected)
+        assert got.lambda2 == pytest.approx(1 - expected, abs=1e-12)
+        assert spectral_gap(W.toarray()).gap == pytest.approx(expected, rel=1e-8, abs=1e-12)  # dense input, same
+
+
+def test_sparse_spectral_gap_keeps_the_digits_of_a_tiny_gap():
+    """A ring of 10,000 (gap 1.3e-7, closed form 1 − (1/3 + 2/3·cos(2π/n))): O(edges) from graph to gap."""
+    n = 10_000
+    W = mixing_matrix(build("ring", n), sparse=True)
+    assert W.nnz == 3 * n
+    exact = (2 / 3) * (1 - math.cos(2 * math.pi / n))  # 1 − λ₂ without cancellation
+    assert spectral_gap(W).gap == pytest.approx(exact, rel=1e-6)

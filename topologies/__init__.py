@@ -1,7 +1,8 @@
 """topologies: communication graphs and their mixing matrices.
 
-Pure networkx + numpy (importing it never imports torch). From a graph to
-the mixing matrix Π that CDSGD averages with:
+networkx + numpy, and scipy's sparse matrices and eigen-solver for large
+graphs (importing it never imports torch). From a graph to the mixing
+matrix Π that CDSGD averages with:
 
     >>> import topologies
     >>> G = topologies.build("ring", 8)              # or topologies.load("my.edgelist")
@@ -9,7 +10,9 @@ the mixing matrix Π that CDSGD averages with:
     >>> round(topologies.spectral_gap(W).gap, 4)
     0.1953
 
-See docs/topologies.md for each builder and weight rule.
+For thousands of nodes, ``mixing_matrix(G, sparse=True)`` returns a
+``scipy.sparse`` CSR matrix built, validated and measured (spectral gap) in
+O(n + edges). See docs/topologies.md for each builder and weight rule.
 """
 
 from __future__ import annotations
