@@ -63,7 +63,7 @@ from torch import nn
 from ..algorithms import Algorithm, algorithm_params, make_algorithm
 from ..checks import check_int
 from ..flat import ParamLayout
-from ..mixing import MatrixMixer, Mixer
+from ..mixing import MatrixMixer, Mixer, is_sparse
 from ..seeding import derive_seed, generator
 from . import evaluation
 from .gradients import STRATEGIES, choose_strategy, make_strategy
@@ -197,9 +197,9 @@ class Executor:
         elif W is None:
             if algorithm.traffic == "neighbours":
                 raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
-            self.mixer = MatrixMixer(np.full((n, n), 1.0 / n), exact=exact)
+            self.mixer = MatrixMixer(None, n_agents=n, exact=exact)
         else:
-            W = np.asarray(W, dtype=np.float64)
+            W = W if is_sparse(W) else np.asarray(W, dtype=np.float64)
             if W.shape != (n, n):
                 raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
             self.mixer = MatrixMixer(W, exact=exact)
