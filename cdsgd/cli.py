@@ -74,8 +74,9 @@ def _cmd_topo(args) -> int:
 
     params = _parse_params(args.param)
     G = topologies.resolve(args.topology, args.n, **params)
-    W = topologies.mixing_matrix(G, args.rule)
-    info = {"topology": str(args.topology), "params": params, "rule": args.rule, **topologies.describe(G, W)}
+    W = topologies.mixing_matrix(G, args.rule, sparse=G.number_of_nodes() > 16)
+    info = {"topology": str(args.topology), "params": params, "rule": args.rule,
+            **topologies.describe(G, W, matrix=args.json)}
     if args.draw:
         from .plotting import draw_topology
 
@@ -89,8 +90,8 @@ def _cmd_topo(args) -> int:
     print(f"degree        {info['degree_min']}..{info['degree_max']}")
     print(f"diameter      {info['diameter']}")
     print(f"rule          {info['rule']}")
-    print(f"lambda2       {info['lambda2']:.6f}   (second-largest eigenvalue modulus)")
-    print(f"spectral gap  {info['spectral_gap']:.6f}")
+    print(f"lambda2       {info['lambda2']:.10g}   (second-largest eigenvalue modulus)")
+    print(f"spectral gap  {topologies.format_gap(info['spectral_gap'], 6)}")
     if info["n"] <= 16:
         print("mixing matrix")
         print(_format_matrix(W))

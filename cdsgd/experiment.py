@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+import topologies
 from . import __version__
 from . import checkpoint as ckpt
 from .config import Config, dump_config, load_config, short_value
@@ -232,7 +233,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         summary["resumed_from_step"] = sim.k
     if writer:
         atomic_write(out / "config.toml", dump_config(cfg))
-    log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {gap.gap:.4f}), "
+    log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(gap.gap)}), "
         f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
         f"{total} steps, executor {cfg.executor}, output {out}"
         + (f", checkpoint every {every} steps" if every else ""))

@@ -30,6 +30,7 @@ from .algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
 from .config import Config, check_ranges, key_info
 from .data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
 from .data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
+from .mixing import DENSE_UP_TO
 from .models import MODELS, build_model, check_model_options
 from .seeding import generator
 
@@ -46,7 +47,8 @@ class Plan:
 
     cfg: Config
     graph: nx.Graph
-    W: np.ndarray
+    #: dense up to DENSE_UP_TO agents, a scipy.sparse CSR matrix beyond (O(edges) memory)
+    W: "np.ndarray | object"
     spectral_gap: topologies.SpectralGap
     algorithm: Algorithm
 
@@ -69,7 +71,7 @@ class Parts:
         return self.plan.graph
 
     @property
-    def W(self) -> np.ndarray:
+    def W(self):
         return self.plan.W
 
     @property
@@ -115,7 +117,7 @@ def validate_config(cfg: Config) -> Plan:
     check_model_options(cfg.model, cfg.model_params)
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
     G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
-    W = topologies.mixing_matrix(G, cfg.mixing)
+    W = topologies.mixing_matrix(G, cfg.mixing, sparse=G.number_of_nodes() > DENSE_UP_TO)  # no N×N array at scale
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm)
 
 

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import topologies
+
 from .checkpoint import config_for_checkpoint
 from .config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
 from .files import atomic_write
@@ -333,7 +335,7 @@ def group_table(out: str | os.PathLike) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(varying) + [" ---: "] * (len(head) - len(varying))) + "|"]
     for key, runs in groups.items():
         cells = [short_value(v) for v in key]
-        cells += [str(len(runs)), f"{float(runs[0]['spectral_gap']):.3f}"]
+        cells += [str(len(runs)), topologies.format_gap(float(runs[0]['spectral_gap']), 3)]
         cells += [stat(runs, c, fmt) for c, _, fmt in cols]
         cells += [f"{float(runs[0]['bytes_sent_per_agent']) / 1e6:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")

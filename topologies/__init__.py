@@ -23,19 +23,21 @@ import networkx as nx
 
 from .builders import BUILDERS, build, builder_params
 from .io import FORMATS, load
-from .mixing import RULES, TOL, SpectralGap, mixing_matrix, spectral_gap, validate
+from .mixing import RULES, SPARSE_EIGEN_FROM, TOL, SpectralGap, format_gap, mixing_matrix, spectral_gap, validate
 from .registry import Registry, unknown_name_error
 
 __all__ = [
     "BUILDERS",
     "FORMATS",
     "RULES",
+    "SPARSE_EIGEN_FROM",
     "TOL",
     "Registry",
     "SpectralGap",
     "build",
     "builder_params",
     "describe",
+    "format_gap",
     "is_graph_file",
     "load",
     "mixing_matrix",
@@ -76,22 +78,44 @@ def resolve(spec: str | os.PathLike, n: int | None = None, **params) -> nx.Graph
     return build(str(spec), n, **params)
 
 
-def describe(G: nx.Graph, W) -> dict:
+def describe(G: nx.Graph, W, *, matrix: bool = True) -> dict:
     """Facts about a graph and its mixing matrix, as plain JSON-able values.
 
     Keys: ``n``, ``edges`` (count), ``degree_min``, ``degree_max``,
-    ``diameter``, ``lambda2``, ``spectral_gap``, ``edge_list``, ``matrix``.
+    ``diameter``, ``lambda2``, ``spectral_gap``, ``edge_list``, and
+    ``matrix`` (the dense rows; left out with ``matrix=False``). ``W`` may be
+    dense or sparse; the diameter comes from breadth-first searches in
+    scipy (seconds for 10,000 nodes), not from n² Python steps.
     """
     degrees = [d for _, d in G.degree()]
     sg = spectral_gap(W)
-    return {
+    info = {
         "n": G.number_of_nodes(),
         "edges": G.number_of_edges(),
         "degree_min": min(degrees),
         "degree_max": max(degrees),
-        "diameter": nx.diameter(G) if nx.is_connected(G) else None,
+        "diameter": _diameter(G),
         "lambda2": sg.lambda2,
         "spectral_gap": sg.gap,
         "edge_list": sorted([min(u, v), max(u, v)] for u, v in G.edges()),
-        "matrix": [[float(x) for x in row] for row in W],
     }
+    if matrix:
+        dense = W.toarray() if hasattr(W, "toarray") else W
+        info["matrix"] = [[float(x) for x in row] for row in dense]
+    return info
+
+
+def _diameter(G: nx.Graph) -> int | None:
+    """The longest shortest path (None if disconnected), by BFS from every node in blocks of sources."""
+    import numpy as np
+    from scipy.sparse.csgraph import shortest_path
+
+    n = G.number_of_nodes()
+    if n == 1:
+        return 0
+    A = nx.to_scipy_sparse_array(G, nodelist=range(n), format="csr")
+    longest, block = 0.0, max(1, (1 << 22) // n)
+    for start in range(0, n, block):
+        D = shortest_path(A, directed=False, unweighted=True, indices=np.arange(start, min(n, start + block)))
+        longest = max(longest, float(D.max()))
+    return None if longest == float("inf") else int(longest)

@@ -49,7 +49,7 @@ import numpy as np
 
 from .registry import Registry
 
-__all__ = ["mixing_matrix", "validate", "spectral_gap", "SpectralGap", "RULES", "SPARSE_EIGEN_FROM", "TOL"]
+__all__ = ["mixing_matrix", "validate", "spectral_gap", "SpectralGap", "RULES", "SPARSE_EIGEN_FROM", "TOL", "format_gap"]
 
 #: Absolute tolerance on row/column sums and on symmetry.
 TOL = 1e-8
@@ -314,6 +314,20 @@ class SpectralGap(NamedTuple):
 
     gap: float
     lambda2: float
+
+
+def format_gap(x: float, decimals: int = 4) -> str:
+    """``x`` with ``decimals`` decimals, or 4 significant digits where that would show fewer than 3.
+
+    A large sparse graph's gap (1.3e-7 for a ring of 10,000) never prints as 0.
+
+    >>> format_gap(0.6666667), format_gap(1.3159e-07), format_gap(0.00123, 6), format_gap(0.0)
+    ('0.6667', '1.316e-07', '0.001230', '0.0000')
+    """
+    x = float(x)
+    if x == 0 or not np.isfinite(x) or abs(x) >= 10.0 ** (2 - decimals):
+        return f"{x:.{decimals}f}"
+    return f"{x:.4g}"
 
 
 #: from this many nodes on, :func:`spectral_gap` uses a sparse eigen-solver (below it, the dense one)

@@ -39,7 +39,7 @@ import topologies
 
 from ..comm import exchange, wait
 from ..executor.reducer import Reducer
-from ..mixing import Handle, Mixer, allreduce_bytes, neighbourhood, ordered_weighted_sum
+from ..mixing import Handle, Mixer, allreduce_bytes, is_sparse, neighbourhood, ordered_weighted_sum
 
 __all__ = ["DistReducer", "NeighbourMixer", "check_agreement"]
 
@@ -89,7 +89,7 @@ class NeighbourMixer(Mixer):
 
     def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0, exact: bool = False,
                  validate: bool = True) -> None:
-        W = topologies.validate(W) if validate else np.asarray(W, dtype=np.float64)
+        W = topologies.validate(W) if validate else (W if is_sparse(W) else np.asarray(W, dtype=np.float64))
         self.n_agents = W.shape[0]
         if not 0 <= rank < self.n_agents:
             raise ValueError(f"rank {rank} is outside the {self.n_agents} agents of the mixing matrix")
@@ -181,7 +181,14 @@ class DistReducer(Reducer):
 
 
 def _digest(obj) -> str:
-    if isinstance(obj, np.ndarray):
+    if is_sparse(obj):  # a sparse matrix: its shape and canonical CSR arrays
+        S = obj.tocsr().astype(np.float64)
+        S.sum_duplicates()
+        S.sort_indices()
+        data = b"".join(np.ascontiguousarray(a).tobytes()
+                        for a in (np.asarray(S.shape, dtype=np.int64), S.indptr.astype(np.int64),
+                                  S.indices.astype(np.int64), S.data))
+    elif isinstance(obj, np.ndarray):
         data = np.ascontiguousarray(obj, dtype=np.float64).tobytes()
     else:
         data = json.dumps(obj, sort_keys=True, default=str).encode()
