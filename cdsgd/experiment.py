@@ -40,6 +40,7 @@ from . import checkpoint as ckpt
 from .config import Config, dump_config, load_config, short_value
 from .data import random_crop_flip
 from .executor import METRIC_COLUMNS, Executor
+from .executor.evaluation import default_eval_agents
 from .files import atomic_write
 from .plan import Parts, Plan, hyperparameters, prepare, validate_config
 from .comm import CommError
@@ -124,7 +125,7 @@ def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
         parts.model_fn, parts.shards, group.mixer(parts.W, exact=cfg.exact), parts.plan.algorithm,
         batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
         test_set=parts.test_set, eval_batch_size=cfg.eval_batch_size,
-        eval_agents=cfg.eval_agents or None, eval_samples=cfg.eval_samples or None, exact=cfg.exact,
+        eval_agents=cfg.eval_agents or default_eval_agents(cfg.n_agents), eval_samples=cfg.eval_samples or None, exact=cfg.exact,
         augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
         batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch,
         agents=None if group.world == 1 else [group.rank], reducer=group.reducer(torch.device(cfg.device)),
@@ -219,6 +220,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         "n_parameters": sim.layout.numel,
         "steps_per_epoch": sim.steps_per_epoch,
         "strategy": sim.strategy,
+        "evaluated_agents": sim.eval_agents,
         "torch_version": torch.__version__,
         "cdsgd_version": __version__,
     }

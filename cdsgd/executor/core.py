@@ -49,6 +49,7 @@ same parameters, so after one step they differ only through their batches)::
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import time
@@ -62,11 +63,11 @@ from torch import nn
 
 from ..algorithms import Algorithm, algorithm_params, make_algorithm
 from ..checks import check_int
-from ..flat import ParamLayout
 from ..mixing import MatrixMixer, Mixer, is_sparse
 from ..seeding import derive_seed, generator
 from . import evaluation
-from .gradients import STRATEGIES, choose_strategy, make_strategy
+from .agents import build_agents
+from .gradients import STRATEGIES, make_strategy
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream
 
@@ -216,22 +217,10 @@ class Executor:
                 return derive_seed(self.seed, "init")
             return derive_seed(self.seed, 0 if algorithm.same_init else j, "init")
 
-        self.models = [self._seeded(init_key(j), model_fn) for j in self.agents]
-        template = self.models[0]
-        self.layout = ParamLayout(template)
-        if self.layout.numel == 0:
-            raise ValueError("the model has no parameters")
-        first = next(template.parameters())
-        self.device = torch.device(device) if device is not None else first.device
-        for m in self.models:
-            m.to(self.device)
-        self.X = torch.stack([self.layout.flatten(m) for m in self.models]).to(self.device)
-        self.dtype = self.X.dtype
-
-        self.strategy = choose_strategy(strategy, template, exact=exact)
-        self.loss_fn = loss_fn
-        for m in self.models:
-            m.train()
+        built = build_agents(model_fn, [init_key(j) for j in self.agents], strategy=strategy, exact=exact,
+                             device=device)
+        self.models, self.layout, self.X, self.device = built.models, built.layout, built.X, built.device
+        self.dtype, self.strategy, self.loss_fn = self.X.dtype, built.strategy, loss_fn
 
         # --- data, per-agent streams (seeded by the global agent index)
         self.shards = [(shards[j][0].to(self.device), shards[j][1].to(self.device)) for j in self.agents]
@@ -262,15 +251,6 @@ class Executor:
         self.k = 0
         self._loss_sum, self._loss_count = 0.0, 0
         self._wall = 0.0
-
-    @staticmethod
-    def _seeded(seed: int, model_fn: Callable[[], nn.Module]) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = model_fn()
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model_fn must return an nn.Module, got {type(model).__name__}")
-        return model
 
     # ------------------------------------------------------------------- step
 
@@ -415,10 +395,15 @@ class Executor:
         self._wall = float(state["wall"])
 
     def agent_model(self, j: int) -> nn.Module:
-        """Agent j's module holding its current parameters (j must be held here)."""
+        """Agent j's module holding its current parameters (j must be held here).
+
+        With the ``loop`` strategy it is the agent's own module (its parameters
+        are views of X); with ``vmap``, a fresh copy of the template each call.
+        """
         i = self.agents.index(j)
-        self.layout.load_into(self.models[i], self.X[i])
-        return self.models[i]
+        model = self.models[i] if len(self.models) == len(self.agents) else copy.deepcopy(self.models[0])
+        self.layout.load_into(model, self.X[i])
+        return model
 
 
 def simulate(

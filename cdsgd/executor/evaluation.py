@@ -24,7 +24,8 @@ import torch
 
 # Every function takes the executor ``ex`` (cdsgd.executor.Executor) that holds the agents.
 
-__all__ = ["METRIC_COLUMNS", "average_params", "consensus_distance", "eval_params", "evaluate", "pick_agents"]
+__all__ = ["EVAL_AGENTS_AUTO", "METRIC_COLUMNS", "average_params", "consensus_distance", "default_eval_agents", "eval_params",
+           "evaluate", "pick_agents"]
 
 #: the columns of a metrics row, in the order of the run-output contract
 METRIC_COLUMNS = (
@@ -56,16 +57,42 @@ def _sum(ex, values: Sequence[float]) -> list[float]:
     return ex.reducer.sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
+#: sums over the parameter stack take this many bytes of float64 rows at a time (no N×P temporary)
+SUM_BLOCK_BYTES = 1 << 25
+
+#: ``cdsgd run`` with ``eval_agents=0`` evaluates every agent up to this many, else this many evenly spaced
+EVAL_AGENTS_AUTO = 32
+
+
+def default_eval_agents(n: int) -> int | None:
+    """The agents a run evaluates when the config leaves ``eval_agents`` at 0: None (all) or a count.
+
+    >>> default_eval_agents(5), default_eval_agents(1000)
+    (None, 32)
+    """
+    return None if n <= EVAL_AGENTS_AUTO else EVAL_AGENTS_AUTO
+
+
+def _blocks(X: torch.Tensor):
+    rows = max(1, SUM_BLOCK_BYTES // (8 * max(1, X.shape[1])))
+    for b0 in range(0, X.shape[0], rows):
+        yield X[b0:b0 + rows].double()
+
+
 def average_params(ex) -> torch.Tensor:
     """x̄ = (1/N) Σ_j x_j over all agents (a P-vector)."""
-    total = ex.reducer.sum(ex.X.double().sum(dim=0))
+    local = None
+    for block in _blocks(ex.X):
+        part = block.sum(dim=0)
+        local = part if local is None else local.add_(part)
+    total = ex.reducer.sum(local)
     return (total / ex.n_agents).to(ex.dtype)
 
 
 def consensus_distance(ex, xbar: torch.Tensor | None = None) -> float:
     """sqrt(mean_j ‖x_j − x̄‖²) over all agents."""
-    xbar = average_params(ex) if xbar is None else xbar
-    local = float(((ex.X.double() - xbar.double()) ** 2).sum())
+    xbar = (average_params(ex) if xbar is None else xbar).double()
+    local = sum(float(((block - xbar) ** 2).sum()) for block in _blocks(ex.X))
     return math.sqrt(_sum(ex, [local])[0] / ex.n_agents)
 
 

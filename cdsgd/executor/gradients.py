@@ -35,6 +35,11 @@ __all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "
 STRATEGIES = ("auto", "loop", "vmap")
 
 
+#: ``vmap`` computes the gradients of this many bytes of parameter rows at a time (a block of agents),
+#: so its temporaries (the gradients it returns, the activations) stay bounded at any N
+VMAP_BLOCK_BYTES = 1 << 25
+
+
 def choose_strategy(strategy: str, template: nn.Module, *, exact: bool = False) -> str:
     """``loop`` or ``vmap`` for ``strategy`` (one of :data:`STRATEGIES`) and this model."""
     if strategy not in STRATEGIES:
@@ -126,16 +131,22 @@ class VmapGradients(GradientStrategy):
             G.zero_()
             return torch.zeros(0)
         xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
-        if len(active) == len(self.models):  # every row is overwritten
-            g, losses = self._grad(views(self.X), xb, yb)
-            for name, v in views(G).items():
-                v.copy_(g[name])
-        else:
+        every = len(active) == self.X.shape[0]  # every row is overwritten
+        if not every:
             G.zero_()
-            idx = torch.tensor(active, device=self.X.device)
-            g, losses = self._grad(views(self.X[idx]), xb, yb)
-            G[idx] = torch.cat([g[name].reshape(len(active), -1) for name in self.layout.names], dim=1)
-        return losses.detach()
+        losses = []
+        block = max(1, VMAP_BLOCK_BYTES // (self.X.shape[1] * self.X.element_size()))
+        for b0 in range(0, len(active), block):  # a block of agents at a time: bounded temporaries
+            b1 = min(len(active), b0 + block)
+            rows = slice(b0, b1) if every else torch.tensor(active[b0:b1], device=self.X.device)
+            g, loss = self._grad(views(self.X[rows]), xb[b0:b1], yb[b0:b1])
+            if every:
+                for name, v in views(G[rows]).items():
+                    v.copy_(g[name])
+            else:
+                G[rows] = torch.cat([g[name].reshape(b1 - b0, -1) for name in self.layout.names], dim=1)
+            losses.append(loss.detach())
+        return torch.cat(losses)
 
     def outputs(self, flats, model_ids, xb):
         model, views = self.models[0], self.layout.views
