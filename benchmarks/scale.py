@@ -156,7 +156,7 @@ def measure_ten_thousand(n: int) -> dict:
 
     torch.set_num_threads(int(os.environ.get("SCALE_THREADS", "1")))
     try:
-        ds = load_dataset("fashion_mnist")
+        ds = load_dataset("fashion-mnist")
         source = "Fashion-MNIST"
     except (ValueError, OSError) as e:
         gen = torch.Generator().manual_seed(0)

@@ -149,9 +149,10 @@ def is_sparse(W) -> bool:
     return hasattr(W, "tocsr") and hasattr(W, "nnz")
 
 
-#: the mixer multiplies the dense N×N matrix up to this many agents, and beyond it whenever the
-#: graph is dense (more than DENSE_FRACTION of the N² entries non-zero); else it works edge by edge
+#: runs keep W as a dense array up to this many agents, as a sparse matrix beyond (cdsgd.plan)
 DENSE_UP_TO = 32
+#: the mixer multiplies the dense N×N matrix when more than this fraction of its entries are
+#: non-zero (small or dense graphs: a ring of 5, a complete graph); else it works edge by edge
 DENSE_FRACTION = 0.25
 #: bytes of one block of rows in the edge-wise product (kept within a core's cache)
 BLOCK_BYTES = 1 << 20
@@ -177,9 +178,9 @@ class MatrixMixer(Mixer):
             ``"dense"``, ``"edges"``, ``"csr"`` (for measurements).
 
     The fast product is chosen by the shape of the graph. ``dense``: one
-    ``torch.mm`` with the N×N matrix, O(N²·P), for up to :data:`DENSE_UP_TO`
-    agents and for dense graphs (more than :data:`DENSE_FRACTION` of the
-    entries non-zero). ``edges`` otherwise: O(N·d·P) for the N·d non-zero
+    ``torch.mm`` with the N×N matrix, O(N²·P), for dense graphs (more than
+    :data:`DENSE_FRACTION` of the entries non-zero, which includes every
+    graph of a handful of agents). ``edges`` otherwise: O(N·d·P) for the N·d non-zero
     entries: the rows are taken in blocks of about :data:`BLOCK_BYTES`; a
     block's output is w_self·x_self plus, for each k-th neighbour, a gathered
     block of neighbour rows times its weights. Rows are padded to the largest
@@ -230,7 +231,7 @@ class MatrixMixer(Mixer):
         if self._csr is None:
             return "mean"
         n, nnz = self.n_agents, self._csr.nnz
-        if n <= DENSE_UP_TO or nnz > DENSE_FRACTION * n * n:
+        if nnz > DENSE_FRACTION * n * n:
             return "dense"
         per_row = np.diff(self._csr.indptr)
         return "edges" if per_row.max() <= PAD_LIMIT * per_row.mean() else "csr"

@@ -80,6 +80,27 @@ def with_weight_decay(G: torch.Tensor, X: torch.Tensor, weight_decay: float) -> 
     return G.add(X, alpha=weight_decay) if weight_decay else G
 
 
+#: the element-wise updates below run over blocks of this many bytes when their tensors are larger, so
+#: that the several passes of one update stay in a core's cache (the same numbers, far less memory traffic)
+UPDATE_BLOCK_BYTES = 1 << 20
+
+
+def _in_blocks(*tensors: torch.Tensor):
+    """Matching element ranges of same-shaped contiguous tensors, about UPDATE_BLOCK_BYTES each.
+
+    Yields the tensors themselves once when they are small or not all
+    contiguous (then an update runs whole, as it would without blocks).
+    """
+    first = tensors[0]
+    step = max(1, UPDATE_BLOCK_BYTES // first.element_size())
+    if first.numel() <= step or not all(t.is_contiguous() and t.shape == first.shape for t in tensors):
+        yield tensors
+        return
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, first.numel(), step):
+        yield [f[start:start + step] for f in flat]
+
+
 def cdsgd_update(mixed: torch.Tensor, G: torch.Tensor, lr: float, out: torch.Tensor) -> torch.Tensor:
     """out ← Σ_l π_jl x_l − α g, with ``mixed`` = Σ_l π_jl x_l. ``out`` may be ``mixed`` or x itself."""
     return torch.add(mixed, G, alpha=-lr, out=out)
@@ -94,11 +115,18 @@ def momentum_update(
     nesterov: bool,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """m ← μ m − α g (``buf`` in place); out ← mixed + μ m − α g (Nesterov) or mixed + m."""
-    buf.mul_(momentum).add_(G, alpha=-lr)
-    if nesterov:
-        return torch.add(mixed, buf, alpha=momentum, out=out).add_(G, alpha=-lr)
-    return torch.add(mixed, buf, out=out)
+    """m ← μ m − α g (``buf`` in place); out ← mixed + μ m − α g (Nesterov) or mixed + m.
+
+    Large tensors are updated block by block (:data:`UPDATE_BLOCK_BYTES`):
+    the four passes of a block run while it is in cache.
+    """
+    for mixed_b, G_b, buf_b, out_b in _in_blocks(mixed, G, buf, out):
+        buf_b.mul_(momentum).add_(G_b, alpha=-lr)
+        if nesterov:
+            torch.add(mixed_b, buf_b, alpha=momentum, out=out_b).add_(G_b, alpha=-lr)
+        else:
+            torch.add(mixed_b, buf_b, out=out_b)
+    return out
 
 
 # --------------------------------------------------------------------------

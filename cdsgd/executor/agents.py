@@ -79,6 +79,9 @@ def build_agents(model_fn: Callable[[], nn.Module], keys: Sequence[int], *, stra
     X = torch.empty((len(keys), layout.numel), dtype=layout.flatten(template).dtype, device=dev)
     X[0] = layout.flatten(template)
     models, built = [template], {keys[0]: (template, 0)}
+    if strategy == "vmap" and all(key == keys[0] for key in keys):  # every agent starts from the template
+        X[1:] = X[0]
+        keys = keys[:1]
     for i, key in enumerate(keys[1:], 1):
         if key in built:
             model, row = built[key]

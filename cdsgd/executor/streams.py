@@ -67,12 +67,15 @@ class AgentRNG:
     def __init__(self, seed: int, agents: Sequence[int], device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        saved = self._get()
-        self.states = []
-        for j in agents:
-            torch.manual_seed(derive_seed(seed, j, "dropout"))
-            self.states.append(self._get())
-        self._set(saved)
+        if self.cuda:
+            saved = self._get()
+            self.states = []
+            for j in agents:
+                torch.manual_seed(derive_seed(seed, j, "dropout"))
+                self.states.append(self._get())
+            self._set(saved)
+        else:  # the state torch.manual_seed would give, without its per-call cost (it seeds every backend)
+            self.states = [torch.Generator().manual_seed(derive_seed(seed, j, "dropout")).get_state() for j in agents]
 
     def state_dict(self) -> list[torch.Tensor]:
         return [s.clone() for s in self.states]
