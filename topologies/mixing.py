@@ -163,7 +163,7 @@ def weight(G: nx.Graph):
         except (TypeError, ValueError):
             raise ValueError(f"rule 'weight': edge ({a}, {b}) has non-numeric weight {data['weight']!r}") from None
         if not w[k] >= 0 or not np.isfinite(w[k]):
-            raise ValueError(f"rule 'weight': edge ({a}, {b}) has weight {w[k]!r}; weights must be finite and >= 0")
+            raise ValueError(f"rule 'weight': edge ({a}, {b}) has weight {float(w[k])!r}; weights must be finite and >= 0")
     W = _symmetric(n, i, j, w)
     sums = 1.0 - W.diagonal()
     over = np.flatnonzero(sums > 1.0 + TOL)
