@@ -43,6 +43,15 @@ def test_text_output(capsys):
     assert "mixing matrix" in out and out.count("0.333") == 24
 
 
+def test_text_output_of_a_large_ring_keeps_the_gaps_digits(capsys):
+    """A ring of 2,000: gap 2/3·(1 − cos(2π/n)) ≈ 3.29e-06 prints with its digits, not as 0.000000."""
+    assert main(["topo", "ring", "--n", "2000"]) == 0
+    out = capsys.readouterr().out
+    closed = 2 / 3 * (1 - np.cos(2 * np.pi / 2000))
+    assert f"spectral gap  {closed:.4g}" in out, out
+    assert "diameter      1000" in out and "edges         2000" in out and "mixing matrix" not in out
+
+
 def test_large_n_omits_matrix(capsys):
     assert main(["topo", "ring", "--n", "17"]) == 0
     assert "mixing matrix" not in capsys.readouterr().out
