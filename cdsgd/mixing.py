@@ -84,6 +84,11 @@ def ordered_weighted_sum(weights: Sequence[float], tensors: Sequence[torch.Tenso
     return out
 
 
+def is_sparse(W) -> bool:
+    """True for a ``scipy.sparse`` matrix (what ``topologies.mixing_matrix(..., sparse=True)`` returns)."""
+    return hasattr(W, "tocsr") and hasattr(W, "nnz")
+
+
 def neighbourhood(W, j: int) -> tuple[list[float], list[int]]:
     """Row j of Π as (weights, sources): agent j itself first, then its neighbours ascending.
 
@@ -95,7 +100,7 @@ def neighbourhood(W, j: int) -> tuple[list[float], list[int]]:
     >>> neighbourhood([[0.5, 0.5, 0.0], [0.5, 0.25, 0.25], [0.0, 0.25, 0.75]], 1)
     ([0.25, 0.5, 0.25], [1, 0, 2])
     """
-    if hasattr(W, "tocsr") and hasattr(W, "nnz"):
+    if is_sparse(W):
         S = W if getattr(W, "format", None) == "csr" else W.tocsr()
         lo, hi = S.indptr[j], S.indptr[j + 1]
         cols, vals = S.indices[lo:hi], S.data[lo:hi]
@@ -142,11 +147,6 @@ class Mixer(abc.ABC):
 
 def _numel_per_agent(X: torch.Tensor) -> int:
     return X[0].numel() if X.dim() > 1 else X.numel()
-
-
-def is_sparse(W) -> bool:
-    """True for a ``scipy.sparse`` matrix (what ``topologies.mixing_matrix(..., sparse=True)`` returns)."""
-    return hasattr(W, "tocsr") and hasattr(W, "nnz")
 
 
 #: runs keep W as a dense array up to this many agents, as a sparse matrix beyond (cdsgd.plan)
@@ -328,8 +328,8 @@ class MatrixMixer(Mixer):
             for j, (weights, src) in enumerate(self._rows):
                 ordered_weighted_sum(weights, [X[l] for l in src], out[j])
         elif self.method == "mean":
-            torch.mean(X2, dim=0, keepdim=True, out=self._buffer(X, "mean", (1, X2.shape[1])))
-            out2.copy_(self._buffers[("mean", (1, X2.shape[1]), X.dtype, X.device)].expand_as(out2))
+            mean = torch.mean(X2, dim=0, keepdim=True, out=self._buffer(X, "mean", (1, X2.shape[1])))
+            out2.copy_(mean.expand_as(out2))
         elif self.method == "dense":
             torch.mm(self._matrix(X), X2, out=out2)
         elif self.method == "edges":
