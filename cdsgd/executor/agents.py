@@ -76,8 +76,9 @@ def build_agents(model_fn: Callable[[], nn.Module], keys: Sequence[int], *, stra
     dev = torch.device(device) if device is not None else first.device
     template.to(dev)
     strategy = choose_strategy(strategy, template, exact=exact)
-    X = torch.empty((len(keys), layout.numel), dtype=layout.flatten(template).dtype, device=dev)
-    X[0] = layout.flatten(template)
+    first_row = layout.flatten(template)
+    X = torch.empty((len(keys), layout.numel), dtype=first_row.dtype, device=dev)
+    X[0] = first_row
     models, built = [template], {keys[0]: (template, 0)}
     if strategy == "vmap" and all(key == keys[0] for key in keys):  # every agent starts from the template
         X[1:] = X[0]
