@@ -177,21 +177,24 @@ def _cmd_run(args) -> int:
 def _add_launch(sub) -> None:
     p = sub.add_parser(
         "launch",
-        help="run one experiment with one process per agent (torchrun)",
+        help="run one experiment in torchrun processes (one or more agents each)",
         description="A thin front for torchrun (torch.distributed.run): starts --nproc-per-node workers on "
-        "this node, each running 'cdsgd run ... executor=torch' as one agent. On one node it picks a free "
+        "this node, each running 'cdsgd run ... executor=torch'. The processes of all nodes share the "
+        "n_agents agents in contiguous blocks (n_agents must be a multiple of the number of processes; "
+        "one agent per process when they are equal). On one node it picks a free "
         "port itself; for several nodes run the same command on every node with --nnodes, --node-rank, "
         "--master-addr and --master-port.",
         epilog="examples:\n"
         "  cdsgd launch --nproc-per-node 5\n"
-        "  cdsgd launch --nproc-per-node 4 experiments/paper/fashion_mnist_ring_iid.toml n_agents=4\n"
+        "  cdsgd launch --nproc-per-node 5 experiments/paper/fashion_mnist_ring_iid.toml epochs=1\n"
+        "  cdsgd launch --nproc-per-node 2 n_agents=64 topology=ring     # 32 agents in each process\n"
         "  cdsgd launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
         "--master-port 29500 n_agents=4\n"
         "docs: docs/distributed.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [key=value ...]")
-    p.add_argument("--nproc-per-node", type=int, required=True, help="agents (worker processes) on this node")
+    p.add_argument("--nproc-per-node", type=int, required=True, help="worker processes on this node")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
@@ -219,9 +222,9 @@ def _cmd_launch(args) -> int:
     cfg = load_config(path, overrides + ["executor=torch"])
     validate_config(cfg)
     world = args.nproc_per_node * args.nnodes
-    if world != cfg.n_agents:
+    if cfg.n_agents % world:
         raise ValueError(f"--nproc-per-node x --nnodes = {world} processes but n_agents={cfg.n_agents}: "
-                         "one process per agent")
+                         "the number of processes must divide n_agents (each holds n_agents/processes agents)")
     if not cfg.out:  # every rank (and every node) must write to the same folder name
         if args.nnodes > 1:
             raise ValueError("give out=FOLDER with --nnodes > 1 (every node must agree on it)")

@@ -63,8 +63,8 @@ class Config:
     # --- algorithm and executor
     algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | sgd | msgd | fedavg | local",
                          registry="algorithm", identity=True)
-    executor: str = key("sim", "sim: all agents in one process; torch: one torchrun rank per agent",
-                        choices=("sim", "torch"))
+    executor: str = key("sim", "sim: all agents in one process; torch: torchrun ranks, each holding "
+                        "n_agents/ranks agents", choices=("sim", "torch"))
     device: str = key("cpu", "cpu (gloo between ranks) | cuda (nccl between ranks)", choices=("cpu", "cuda"))
     comm_timeout: float = key(120.0, "seconds any wait on a neighbour or collective may take (torch executor)",
                               above=0, unit=" seconds", volatile=True)

@@ -120,7 +120,7 @@ def _json_number(v):
 
 
 def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
-    """The executor of this process: every agent (one process) or agent ``rank`` (one rank per agent)."""
+    """The executor of this process: every agent (one process) or the block of agents its rank holds."""
     return Executor(
         parts.model_fn, parts.shards, group.mixer(parts.W, exact=cfg.exact), parts.plan.algorithm,
         batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
@@ -128,7 +128,7 @@ def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
         eval_agents=cfg.eval_agents or default_eval_agents(cfg.n_agents), eval_samples=cfg.eval_samples or None, exact=cfg.exact,
         augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
         batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch,
-        agents=None if group.world == 1 else [group.rank], reducer=group.reducer(torch.device(cfg.device)),
+        agents=group.agents, reducer=group.reducer(torch.device(cfg.device)),
     )
 
 
@@ -215,6 +215,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         "out": str(out),
         **cfg.identity(),
         "executor": cfg.executor,
+        "processes": world,
         "spectral_gap": gap.gap,
         "lambda2": gap.lambda2,
         "n_parameters": sim.layout.numel,
@@ -237,7 +238,9 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         atomic_write(out / "config.toml", dump_config(cfg))
     log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(gap.gap)}), "
         f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
-        f"{total} steps, executor {cfg.executor}, output {out}"
+        f"{total} steps, executor {cfg.executor}"
+        + (f" ({cfg.n_agents // world} agent(s) in each of {world} processes)" if world > 1 else "")
+        + f", output {out}"
         + (f", checkpoint every {every} steps" if every else ""))
     bar = None
     if progress:
@@ -303,6 +306,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             summary["best_test_accuracy"] = max(accs) if accs else None
             summary["evaluations"] = len(rows)
             summary["eval_bytes_per_agent"] = sim.reducer.bytes
+            summary["bytes_across_processes"] = sim.bytes_across_processes
             if writer:
                 atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     finally:

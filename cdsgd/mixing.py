@@ -319,23 +319,33 @@ class MatrixMixer(Mixer):
                 torch.index_select(X2, 0, idx[b0:b1, k], out=t)
                 o.addcmul_(t, wts[b0:b1, k:k + 1])
 
+    def product(self, X2: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
+        """``out2 = W X2`` for an N×P matrix X2 by the fast method (not counted as traffic; ignores ``exact``).
+
+        The product itself, for a caller that owns the bookkeeping (the
+        runtime's :class:`cdsgd.runtime.BlockMixer` applies it to the block of
+        W among the agents one process holds).
+        """
+        if self.method == "mean":
+            mean = torch.mean(X2, dim=0, keepdim=True, out=self._buffer(X2, "mean", (1, X2.shape[1])))
+            out2.copy_(mean.expand_as(out2))
+        elif self.method == "dense":
+            torch.mm(self._matrix(X2), X2, out=out2)
+        elif self.method == "edges":
+            self._edges(X2, out2)
+        else:
+            torch.mm(self._sparse(X2), X2, out=out2)
+        return out2
+
     def start(self, X: torch.Tensor) -> Handle:
         self._check(X)
         self.bytes_sent += self.degrees * (_numel_per_agent(X) * X.element_size())
         out = self._buffer(X, "mix")
-        X2, out2 = X.reshape(self.n_agents, -1), out.view(self.n_agents, -1)
         if self.exact:
             for j, (weights, src) in enumerate(self._rows):
                 ordered_weighted_sum(weights, [X[l] for l in src], out[j])
-        elif self.method == "mean":
-            mean = torch.mean(X2, dim=0, keepdim=True, out=self._buffer(X, "mean", (1, X2.shape[1])))
-            out2.copy_(mean.expand_as(out2))
-        elif self.method == "dense":
-            torch.mm(self._matrix(X), X2, out=out2)
-        elif self.method == "edges":
-            self._edges(X2, out2)
         else:
-            torch.mm(self._sparse(X), X2, out=out2)
+            self.product(X.reshape(self.n_agents, -1), out.view(self.n_agents, -1))
         return Handle(out)
 
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -201,8 +201,9 @@ CASES = [
     Case("config-file-not-utf8", ("run", "{tmp}/latin1.toml"), 2,
          r"config file '.*latin1\.toml' is not", "{tmp}/latin1.toml",
          files={"latin1.toml": 'out = "r\xe9sultats"\n'.encode("latin-1")}),
-    Case("config-world-size-not-n-agents", ("run", "executor=torch", "n_agents=4", "comm_timeout=5", "out={tmp}/out"),
-         2, r"world size 3 must equal n_agents=4: one rank per agent", "n_agents=4", env=TORCH_ENV,
+    Case("config-world-size-not-dividing-n-agents",
+         ("run", "executor=torch", "n_agents=4", "comm_timeout=5", "out={tmp}/out"),
+         2, r"world size 3 must divide n_agents=4: every rank holds", "n_agents=4", env=TORCH_ENV,
          absent=("out",)),
     # ---- graph files given as topology=PATH
     Case("graph-empty-file", ("run", "topology={tmp}/empty.edgelist"), 2,

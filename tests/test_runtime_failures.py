@@ -43,23 +43,25 @@ def _restore(saved):
         setattr(mod, name, fn)
 
 
-def _steps(rank, world, algorithm, hyper):
+def _steps(rank, world, algorithm, hyper, per=1):
+    """Six steps of ``per`` agents per rank on a ring of world·per agents, every collective forbidden."""
     from torch import nn
 
-    from cdsgd.runtime import DistReducer, NeighbourMixer
+    from cdsgd.runtime import BlockMixer, DistReducer
     from cdsgd.simulator import Simulator
 
-    W = topologies.mixing_matrix(topologies.build("ring", world))
+    n = world * per
+    W = topologies.mixing_matrix(topologies.build("ring", n))
     g = torch.Generator().manual_seed(0)
-    shards = [(torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(world)]
+    shards = [(torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+    mixer = BlockMixer(W, rank, world, timeout=30)
     sim = Simulator(lambda: nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)), shards,
-                    NeighbourMixer(W, rank, timeout=30), algorithm, batch_size=4, agents=[rank],
-                    reducer=DistReducer(), **hyper)
+                    mixer, algorithm, batch_size=4, agents=mixer.agents, reducer=DistReducer(), **hyper)
     saved = _forbid_collectives()
     try:
         for _ in range(6):
             sim.step()
-        result = ("ok", float(sim.mixer.bytes_sent[0]), sim.layout.numel)
+        result = ("ok", sim.mixer.bytes_sent.tolist(), sim.layout.numel)
     except CollectiveCalled as e:
         result = ("collective", str(e), 0)
     finally:
@@ -67,12 +69,13 @@ def _steps(rank, world, algorithm, hyper):
     return result
 
 
-@pytest.mark.parametrize("algorithm,hyper", [("cdsgd", {"lr": 0.1}), ("cdmsgd", {"lr": 0.1, "momentum": 0.9})])
-def test_cdsgd_steps_issue_no_collective(algorithm, hyper):
-    results = run_ranks(_steps, 4, algorithm, hyper, timeout=120)
+@pytest.mark.parametrize("algorithm,hyper,per", [("cdsgd", {"lr": 0.1}, 1), ("cdmsgd", {"lr": 0.1, "momentum": 0.9}, 1),
+                                                 ("cdmsgd", {"lr": 0.1, "momentum": 0.9}, 3)])
+def test_cdsgd_steps_issue_no_collective(algorithm, hyper, per):
+    results = run_ranks(_steps, 4, algorithm, hyper, per, timeout=120)
     for rank, (status, sent, P) in results.items():
         assert status == "ok", sent
-        assert sent == 2 * P * 4 * 6  # ring degree 2, float32, 6 steps
+        assert sent == [2 * P * 4 * 6] * per  # ring degree 2, float32, 6 steps, per agent
 
 
 def test_the_proof_catches_collectives():

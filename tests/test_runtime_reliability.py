@@ -57,9 +57,9 @@ def complete_checkpoint(out, world=4):
     return max(common) if common else None
 
 
-def kill_rank_after_checkpoint(p, out, rank):
+def kill_rank_after_checkpoint(p, out, rank, world=4):
     """SIGKILL worker ``rank`` once a checkpoint is complete; returns (pid, time of the kill)."""
-    wait_until(lambda: complete_checkpoint(out) or p.poll() is not None, DEADLINE, "the first checkpoint")
+    wait_until(lambda: complete_checkpoint(out, world) or p.poll() is not None, DEADLINE, "the first checkpoint")
     assert p.poll() is None, "the run ended before it could be killed"
     pid = wait_until(lambda: workers(descendants(p.pid)).get(rank), 10, f"worker of rank {rank}")
     os.kill(pid, signal.SIGKILL)

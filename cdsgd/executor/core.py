@@ -25,8 +25,9 @@ Epoch: ``steps_per_epoch = ceil(mean shard size / batch_size)`` synchronous
 steps (all shards are equal with the ``iid`` partition).
 
 One executor serves every layout: all N agents in this process (the
-simulator), one agent per rank (the runtime: ``agents=[rank]`` with a
-neighbour Mixer and a distributed Reducer), or a block of agents. Only the
+simulator), or a block of agents per rank (the runtime: ``agents=block``
+with a :class:`cdsgd.runtime.BlockMixer` and a distributed Reducer; one
+agent per rank is a block of one). Only the
 Mixer and the Reducer differ; the update rule, the streams and the
 bookkeeping are the same code. ``Simulator`` is this class's other name.
 
@@ -112,8 +113,9 @@ class Executor:
         overlap: start the mixing of X before the gradients are computed and
             wait for it after (the default); False starts it after, for measurement.
         agents: the agents this process holds (default: all). The distributed
-            runtime holds one, ``[rank]``, with a neighbour Mixer and a Reducer
-            over its process group; the update rule and the bookkeeping are the same.
+            runtime holds a contiguous block per rank, with a
+            :class:`cdsgd.runtime.BlockMixer` and a Reducer over its process
+            group; the update rule and the bookkeeping are the same.
         reducer: sums across processes for evaluation (default: none needed).
         device: where parameters and data live (default: the model's device).
         batch_stream: ``batch_stream(j, generator)`` makes agent j's endless
@@ -173,7 +175,7 @@ class Executor:
         if not self.agents or any(not 0 <= j < n for j in self.agents) or len(set(self.agents)) != len(self.agents):
             raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {agents!r}")
         self.reducer = reducer if reducer is not None else Reducer()
-        self.overlap = bool(overlap)
+        self.overlap, self.exact = bool(overlap), bool(exact)
 
         if isinstance(algorithm, str):
             allowed = algorithm_params(algorithm)
@@ -192,7 +194,7 @@ class Executor:
         # --- the mixer
         if not isinstance(W, Mixer) and len(self.agents) < n:
             raise ValueError(f"an executor holding agents {self.agents} of {n} needs a Mixer that reaches the "
-                             "others (e.g. cdsgd.runtime.NeighbourMixer), not a matrix")
+                             "others (e.g. cdsgd.runtime.BlockMixer), not a matrix")
         if isinstance(W, Mixer):
             self.mixer = W
         elif W is None:
@@ -249,8 +251,13 @@ class Executor:
         self.eval_agents = evaluation.pick_agents(n, eval_agents)
 
         self.k = 0
-        self._loss_sum, self._loss_count = 0.0, 0
+        # each held agent's train-loss sum and count since the last evaluation (summed per agent, so that
+        # the row does not depend on how agents are spread over processes)
+        self._loss_sums = torch.zeros(len(self.agents), dtype=torch.float64)
+        self._loss_counts = torch.zeros(len(self.agents), dtype=torch.float64)
         self._wall = 0.0
+        #: training bytes all processes have sent to other processes (set by each evaluation)
+        self.bytes_across_processes = 0.0
 
     # ------------------------------------------------------------------- step
 
@@ -276,11 +283,11 @@ class Executor:
             handle = self.mixer.start(X)
         alg.update(X, self._G, self.state, k=k, mixer=self.mixer, mixed=handle)
         self.k += 1
-        total = float(losses.sum())
-        self._loss_sum += total
-        self._loss_count += len(active)
+        losses = losses.detach().double().cpu()
+        self._loss_sums[active] += losses
+        self._loss_counts[active] += 1
         self._wall += time.perf_counter() - t0
-        return total / len(active) if active else float("nan")
+        return float(losses.mean()) if active else float("nan")
 
     # --------------------------------------------------------------- evaluate
 
@@ -356,13 +363,14 @@ class Executor:
             "X": self.X.detach().cpu().clone(),
             "algorithm": self.algorithm.name,
             "algorithm_state": {name: t.detach().cpu().clone() for name, t in self.state.items()},
-            "loss_sum": self._loss_sum,
-            "loss_count": self._loss_count,
+            "loss_sums": self._loss_sums.clone(),
+            "loss_counts": self._loss_counts.clone(),
             "wall": self._wall,
             "streams": [s.state_dict() for s in self.streams],
             "augment": [g.get_state() for g in self._augment_gens] if self._augment_gens else [],
             "rng": [s.cpu() for s in self.rng.state_dict()],
             "bytes_sent": self.mixer.bytes_sent.clone(),
+            "bytes_across": float(getattr(self.mixer, "bytes_across", 0.0)),
             "eval_bytes": float(self.reducer.bytes),
         }
 
@@ -389,9 +397,12 @@ class Executor:
             g.set_state(s)
         self.rng.load_state_dict([s.to(self.rng.states[0].device) for s in state["rng"]])
         self.mixer.bytes_sent.copy_(state["bytes_sent"])
+        if hasattr(self.mixer, "bytes_across"):
+            self.mixer.bytes_across = float(state["bytes_across"])
         self.reducer.bytes = float(state["eval_bytes"])
         self.k = int(state["k"])
-        self._loss_sum, self._loss_count = float(state["loss_sum"]), int(state["loss_count"])
+        self._loss_sums.copy_(state["loss_sums"])
+        self._loss_counts.copy_(state["loss_counts"])
         self._wall = float(state["wall"])
 
     def agent_model(self, j: int) -> nn.Module:

@@ -17,7 +17,6 @@ seeded subset of the test set).
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -52,11 +51,6 @@ def pick_agents(n: int, k: int | None) -> list[int]:
     return sorted({int(round(v)) for v in np.linspace(0, n - 1, k)})
 
 
-def _sum(ex, values: Sequence[float]) -> list[float]:
-    """Sum over all agents of per-process partial sums (float64)."""
-    return ex.reducer.sum(torch.tensor(values, dtype=torch.float64)).tolist()
-
-
 #: sums over the parameter stack take this many bytes of float64 rows at a time (no N×P temporary)
 SUM_BLOCK_BYTES = 1 << 25
 
@@ -73,27 +67,54 @@ def default_eval_agents(n: int) -> int | None:
     return None if n <= EVAL_AGENTS_AUTO else EVAL_AGENTS_AUTO
 
 
-def _blocks(X: torch.Tensor):
-    rows = max(1, SUM_BLOCK_BYTES // (8 * max(1, X.shape[1])))
+def _blocks(ex):
+    """The held rows as float64 blocks of about SUM_BLOCK_BYTES (one row at a time in exact mode)."""
+    X = ex.X.reshape(ex.X.shape[0], -1)
+    rows = 1 if ex.exact else max(1, SUM_BLOCK_BYTES // (8 * max(1, X.shape[1])))
     for b0 in range(0, X.shape[0], rows):
         yield X[b0:b0 + rows].double()
 
 
+def _total(ex, local: torch.Tensor) -> list[float]:
+    """Σ over all N agents of each column of the held agents' L×k figures, correctly rounded (math.fsum).
+
+    The per-agent figures are gathered in agent order, so the sum is the same
+    number whichever process holds which agent.
+    """
+    return [math.fsum(col) for col in ex.reducer.agent_values(local).t().tolist()]
+
+
 def average_params(ex) -> torch.Tensor:
-    """x̄ = (1/N) Σ_j x_j over all agents (a P-vector)."""
-    local = None
-    for block in _blocks(ex.X):
-        part = block.sum(dim=0)
-        local = part if local is None else local.add_(part)
-    total = ex.reducer.sum(local)
+    """x̄ = (1/N) Σ_j x_j over all agents (a P-vector).
+
+    Fast mode: float64 block sums, added across processes. Exact mode: the
+    rows are added one by one in agent order, across processes too
+    (:meth:`Reducer.sum_in_order`), so x̄ is bit-identical in every layout.
+    """
+    if ex.exact:
+        def add(acc):
+            for row in _blocks(ex):
+                acc.add_(row[0])
+
+        total = ex.reducer.sum_in_order(torch.zeros(ex.layout.numel, dtype=torch.float64, device=ex.device), add)
+    else:
+        local = torch.zeros(ex.layout.numel, dtype=torch.float64, device=ex.device)
+        for block in _blocks(ex):
+            local.add_(block.sum(dim=0))
+        total = ex.reducer.sum(local)
     return (total / ex.n_agents).to(ex.dtype)
+
+
+def _distances(ex, xbar: torch.Tensor) -> torch.Tensor:
+    """‖x_j − x̄‖² of each held agent (float64, on the CPU)."""
+    xbar = xbar.double()
+    return torch.cat([((block - xbar) ** 2).sum(dim=1).cpu() for block in _blocks(ex)])
 
 
 def consensus_distance(ex, xbar: torch.Tensor | None = None) -> float:
     """sqrt(mean_j ‖x_j − x̄‖²) over all agents."""
-    xbar = (average_params(ex) if xbar is None else xbar).double()
-    local = sum(float(((block - xbar) ** 2).sum()) for block in _blocks(ex.X))
-    return math.sqrt(_sum(ex, [local])[0] / ex.n_agents)
+    xbar = average_params(ex) if xbar is None else xbar
+    return math.sqrt(_total(ex, _distances(ex, xbar).unsqueeze(1))[0] / ex.n_agents)
 
 
 @torch.no_grad()
@@ -115,10 +136,40 @@ def eval_params(ex, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarr
 
 
 def evaluate(ex) -> dict:
-    """A metrics row for the executor's current state; resets its train-loss window."""
-    loss_sum, loss_count = _sum(ex, [ex._loss_sum, float(ex._loss_count)])
-    ex._loss_sum, ex._loss_count = 0.0, 0
+    """A metrics row for the executor's current state; resets its train-loss window.
+
+    Every sum over agents is a correctly rounded sum of per-agent figures
+    gathered in agent order (one gather per evaluation), so a row does not
+    depend on how the agents are spread over processes. Also sets
+    ``ex.bytes_across_processes``: the training bytes all processes have
+    sent to other processes so far.
+    """
+    L = len(ex.agents)
+    # columns: train-loss sum, train-loss count, ‖x_j − x̄‖², bytes sent, bytes across processes
+    # (on the process's first agent), test loss, test accuracy, average-model accuracy (on agent 0)
+    per = torch.zeros(L, 8, dtype=torch.float64)
+    per[:, 0], per[:, 1] = ex._loss_sums, ex._loss_counts
+    ex._loss_sums.zero_()
+    ex._loss_counts.zero_()
     xbar = average_params(ex)
+    per[:, 2] = _distances(ex, xbar)
+    per[:, 3] = ex.mixer.bytes_sent.cpu()
+    per[0, 4] = float(getattr(ex.mixer, "bytes_across", 0.0))
+    if ex.test_set is not None:
+        for m in ex.models:
+            m.eval()
+        try:
+            held = [i for i, j in enumerate(ex.agents) if j in ex.eval_agents]
+            loss, acc = eval_params(ex, ex.X[held], held)
+            per[held, 5], per[held, 6] = torch.as_tensor(loss), torch.as_tensor(acc)
+            if 0 in ex.agents:  # one process evaluates x̄; the sum hands its accuracy to every process
+                i0 = ex.agents.index(0)
+                per[i0, 7] = float(eval_params(ex, xbar.unsqueeze(0), [i0])[1][0])
+        finally:
+            for m in ex.models:
+                m.train()
+    loss_sum, loss_count, dist2, sent, across, t_loss, t_acc, acc_avg = _total(ex, per)
+    ex.bytes_across_processes = across
     row = {
         "epoch": ex.k / ex.steps_per_epoch,
         "step": ex.k,
@@ -126,24 +177,11 @@ def evaluate(ex) -> dict:
         "test_loss": float("nan"),
         "test_accuracy": float("nan"),
         "test_accuracy_avg_model": float("nan"),
-        "consensus_distance": consensus_distance(ex, xbar),
-        "bytes_sent_per_agent": _sum(ex, [float(ex.mixer.bytes_sent.sum())])[0] / ex.n_agents,
+        "consensus_distance": math.sqrt(dist2 / ex.n_agents),
+        "bytes_sent_per_agent": sent / ex.n_agents,
         "wall_seconds": ex._wall,
     }
-    if ex.test_set is None:
-        return row
-    for m in ex.models:
-        m.eval()
-    try:
-        held = [i for i, j in enumerate(ex.agents) if j in ex.eval_agents]
-        loss, acc = eval_params(ex, ex.X[held], held)
-        acc_avg = 0.0
-        if 0 in ex.agents:  # one process evaluates x̄; the sum below hands its accuracy to every process
-            acc_avg = float(eval_params(ex, xbar.unsqueeze(0), [ex.agents.index(0)])[1][0])
-        t_loss, t_acc, acc_avg = _sum(ex, [float(loss.sum()), float(acc.sum()), acc_avg])
-    finally:
-        for m in ex.models:
-            m.train()
-    count = len(ex.eval_agents)
-    row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg)
+    if ex.test_set is not None:
+        count = len(ex.eval_agents)
+        row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg)
     return row

@@ -4,9 +4,11 @@
   (:class:`LocalGroup` for one process, :class:`DistGroup` for a torchrun
   launch: joining under a per-attempt store prefix, agreement, barrier,
   naming a lost rank, dying with the launcher);
-- :mod:`.exchange`: :class:`NeighbourMixer` (Σ_l π_jl x_l by point-to-point
-  exchange with the graph neighbours only), :class:`DistReducer`
-  (evaluation all-reduces) and :func:`check_agreement`.
+- :mod:`.exchange`: :class:`BlockMixer` (Σ_l π_jl x_l for the block of
+  agents a rank holds, :func:`agent_block`, exchanging only the rows of the
+  cut edges with the neighbouring ranks; :class:`NeighbourMixer` is its
+  one-agent form), :class:`DistReducer` (evaluation's reductions) and
+  :func:`check_agreement`.
 
 Communication primitives (:class:`CommError`, waits with a timeout, posting
 a batch of sends and receives) live one layer down in :mod:`cdsgd.comm`,
@@ -14,10 +16,11 @@ shared with the MGRIT time chain; ``CommError`` is re-exported here.
 """
 
 from ..comm import CommError
-from .exchange import DistReducer, NeighbourMixer, check_agreement
+from .exchange import BlockMixer, DistReducer, NeighbourMixer, agent_block, check_agreement
 from .group import DistGroup, Failure, Group, LocalGroup, Terminated, describe, join
 
 __all__ = [
+    "BlockMixer",
     "CommError",
     "DistGroup",
     "DistReducer",
@@ -26,6 +29,7 @@ __all__ = [
     "LocalGroup",
     "NeighbourMixer",
     "Terminated",
+    "agent_block",
     "check_agreement",
     "describe",
     "join",

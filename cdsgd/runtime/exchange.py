@@ -1,19 +1,32 @@
-r"""Across processes: the neighbour exchange, evaluation all-reduces, and the agreement check.
+r"""Across processes: the neighbour exchange, evaluation reductions, and the agreement check.
 
-Rank j is agent j. It holds only its own parameters x_j (a 1×P stack) and
-talks only to its graph neighbours: :class:`NeighbourMixer` computes
-Σ_l π_jl x_l by posting every send and receive of a step as one
-``dist.batch_isend_irecv`` list (pairing them in one batch is what keeps a
-neighbour exchange free of deadlocks), into preallocated receive buffers,
-and finishes with one ordered multiply-add pass. CDSGD/CDMSGD steps issue no
+Each rank holds a contiguous block of agents (:func:`agent_block`): with
+R ranks and N agents (N a multiple of R), rank r holds agents
+r·N/R … (r+1)·N/R − 1; one agent per rank (N = R) is the case L = 1.
+Contiguous blocks keep graph neighbours together where the numbering does:
+a ring is cut into R arcs, a torus (numbered row by row) into strips of
+whole rows when N/R is a multiple of its row length.
+
+:class:`BlockMixer` computes Σ_l π_jl x_l for the block's L agents. Rows
+whose neighbours are all held mix in place, as in the simulator (the block
+of W among the held agents, applied by :class:`cdsgd.mixing.MatrixMixer`'s
+product); for the cut edges, each rank sends every neighbouring rank, in
+one message, exactly the rows that rank's agents need and receives the
+rows its own agents need into a preallocated halo; the step posts all of
+them at once (:func:`cdsgd.comm.exchange`: pairing every send and receive
+of a step is what keeps a neighbour exchange free of deadlocks) and adds
+the halo's contributions after the wait. CDSGD/CDMSGD steps issue no
 collective at all. Centralized SGD and FedAvg all-reduce, as their
-definitions require; evaluation sums metrics over ranks with all-reduces
-(:class:`DistReducer`), counted apart from training traffic.
+definitions require; evaluation gathers per-agent figures and the average
+model (:class:`DistReducer`), counted apart from training traffic.
+:class:`NeighbourMixer` is the one-agent form, for a user's own loop.
 
-The executor is the simulator's (``Simulator(..., agents=[rank])``) with
-this mixer and reducer, so rank j reproduces the simulator's agent j: the
-same update rule, the same (seed, j) streams for initialisation, data order
-and dropout.
+The executor is the simulator's (``Executor(..., agents=block)``) with this
+mixer and reducer, so the ranks together reproduce the simulator's agents:
+the same update rule, the same (seed, j) streams for initialisation, data
+order and dropout. In exact mode each row is summed as the simulator's
+exact mode sums it (self first, then neighbours in ascending order), so
+parameters are bit-identical.
 
 Works with gloo on CPU tensors and nccl on CUDA tensors (the device follows
 the tensor). Every wait has a timeout (``comm_timeout``): a neighbour that
@@ -30,8 +43,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Callable
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 import torch.distributed as dist
 
@@ -39,15 +54,31 @@ import topologies
 
 from ..comm import exchange, wait
 from ..executor.reducer import Reducer
-from ..mixing import Handle, Mixer, allreduce_bytes, is_sparse, neighbourhood, ordered_weighted_sum
+from ..mixing import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
+                      ordered_weighted_sum)
 
-__all__ = ["DistReducer", "NeighbourMixer", "check_agreement"]
+__all__ = ["BlockMixer", "DistReducer", "NeighbourMixer", "agent_block", "check_agreement"]
 
 
-class _NeighbourHandle(Handle):
-    def __init__(self, mixer: "NeighbourMixer", works, peers, x, bufs, out, shape) -> None:
+def agent_block(n_agents: int, world: int, rank: int) -> list[int]:
+    """The agents rank ``rank`` of ``world`` holds: a contiguous block of N/R (N a multiple of R).
+
+    >>> agent_block(8, 2, 1), agent_block(4, 4, 2)
+    ([4, 5, 6, 7], [2])
+    """
+    if world < 1 or n_agents < world or n_agents % world:
+        raise ValueError(f"n_agents={n_agents} must be a multiple of the number of processes ({world}): "
+                         "every process holds n_agents/processes agents")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the {world} processes")
+    per = n_agents // world
+    return list(range(rank * per, (rank + 1) * per))
+
+
+class _BlockHandle(Handle):
+    def __init__(self, mixer: "BlockMixer", works, peers, X2, halo, out, shape) -> None:
         self.mixer, self.works, self.peers = mixer, works, peers
-        self.x, (self.bufs_matrix, self.bufs), self.out, self.shape = x, bufs, out, shape
+        self.X2, self.halo, self.out, self.shape = X2, halo, out, shape
         self._done = False
 
     def wait(self) -> torch.Tensor:
@@ -56,128 +87,256 @@ class _NeighbourHandle(Handle):
             for (kind, peer), work in zip(self.peers, self.works):
                 verb = "receiving parameters from" if kind == "recv" else "sending parameters to"
                 wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}", peer)
-            if m.exact or not self.bufs:
-                ordered_weighted_sum(m.weights, [self.x, *self.bufs], self.out)
-            else:  # one fused pass: π_jj·x_j + R^T w over the stacked receive buffers
-                torch.addmv(self.x, self.bufs_matrix.t(), m._wvec(self.x), beta=m.weights[0], out=self.out)
+            if m.exact:
+                stacks = (self.X2, self.halo)
+                for i, (weights, src) in enumerate(m._rows):
+                    ordered_weighted_sum(weights, [stacks[s][a] for s, a in src], self.out[i])
+            elif m.halo_agents:
+                torch.addmm(self.out, m._remote(self.X2), self.halo, out=self.out)
             self._done = True
         return self.out.view(self.shape)
 
 
-class NeighbourMixer(Mixer):
-    """Σ_l π_jl x_l for this rank, by point-to-point exchange with its neighbours.
+class BlockMixer(Mixer):
+    """Σ_l π_jl x_l for the block of agents this rank holds, exchanging only the cut edges' rows.
 
     Args:
-        W: the N×N mixing matrix (the same on every rank: checked by
-            :func:`check_agreement`); this rank uses its row.
-        rank: this agent's index (its rank in ``group``); its neighbours are
-            ranks of ``group`` too (:mod:`cdsgd.comm`'s one convention).
+        W: the N×N mixing matrix, dense or ``scipy.sparse`` (the same on every
+            rank: checked by :func:`check_agreement`).
+        rank, world: this process's rank in ``group`` and the group's size; it
+            holds :func:`agent_block` (N, world, rank), and agent l lives on rank
+            l // (N/world). Peers are ranks of ``group`` (:mod:`cdsgd.comm`'s one
+            convention).
         group: the process group (default: the world).
         timeout: seconds any single wait may take (``comm_timeout``).
+        exact: sum each row as :func:`ordered_weighted_sum` over the agent
+            itself, then its neighbours in ascending order (the simulator's
+            exact mode: bit-identical results).
+        validate: check W with :func:`topologies.validate`.
 
-    ``start(x)`` takes this rank's P-vector (or a 1×P stack), posts all sends
-    and receives in one ``batch_isend_irecv``, and returns a handle whose
-    ``wait()`` completes them and returns the weighted sum π_jj·x_j + Σ_l π_jl·x_l:
-    one fused pass (``addmv`` over the degree×P receive matrix) by default;
-    with ``exact=True`` explicit multiply-adds, self first and then the
-    neighbours in ascending order, as the simulator's exact mode. Receive
-    buffers and the output are allocated once per shape and reused: a result
-    is valid until the next ``start``. ``x`` must not change until ``wait``.
-    After a :class:`CommError` the process group is not usable any more
-    (gloo's state after a failed wait): stop, do not retry with this mixer.
+    ``start(X)`` takes the block's L×P stack (any trailing shape; a P-vector
+    when L = 1), posts one send and one receive per neighbouring rank (the
+    rows that rank needs, the rows this block needs) and, in the fast mode,
+    computes the in-block part W_bb X_b meanwhile; ``wait()`` completes the
+    exchange and adds W_bh H (H: the received halo rows). Buffers are
+    allocated once per shape and reused: a result is valid until the next
+    ``start``; X must not change until ``wait``. After a :class:`CommError`
+    the process group is not usable any more: stop, do not retry.
+
+    Traffic: ``bytes_sent`` counts, per held agent, what it would send over
+    its graph edges (degree·P·size per mixing, as the simulator counts);
+    ``bytes_across`` counts what this process really sent to other processes.
+
+    Setup is O(edges of the block): the rows come from :func:`neighbourhood`.
+    """
+
+    def __init__(self, W, rank: int, world: int, *, group=None, timeout: float = 120.0, exact: bool = False,
+                 validate: bool = True) -> None:
+        W = topologies.validate(W) if validate else (W if is_sparse(W) else np.asarray(W, dtype=np.float64))
+        if not timeout > 0:
+            raise ValueError(f"comm_timeout must be > 0 seconds, got {timeout!r}")
+        self.n_agents = n = W.shape[0]
+        self.agents = agent_block(n, world, rank)
+        self.rank, self.world, self.group = int(rank), int(world), group
+        self.timeout, self.exact = float(timeout), bool(exact)
+        per, lo = len(self.agents), self.agents[0]
+        S = (W.tocsr() if is_sparse(W) else sp.csr_array(W)).astype(np.float64)
+        S.sort_indices()
+
+        rows = [neighbourhood(S, j) for j in self.agents]
+        held = range(lo, lo + per)
+        self.halo_agents = sorted({l for _, src in rows for l in src if l not in held})
+        position = {l: h for h, l in enumerate(self.halo_agents)}
+        #: row i's (weights, [(0, local row) | (1, halo row)]): self first, then neighbours ascending
+        self._rows = [(w, [(0, l - lo) if l in held else (1, position[l]) for l in src]) for w, src in rows]
+        self.degrees = torch.tensor([len(src) - 1 for _, src in rows], dtype=torch.float64)
+
+        # per neighbouring rank: the slice of the halo it fills, and the held rows it needs
+        self._recv: dict[int, tuple[int, int]] = {}
+        for h, l in enumerate(self.halo_agents):
+            a, _ = self._recv.get(l // per, (h, h))
+            self._recv[l // per] = (a, h + 1)
+        St = S.T.tocsr()
+        St.sort_indices()
+        send: dict[int, set[int]] = {}
+        for i, j in enumerate(self.agents):
+            for l in neighbourhood(St, j)[1][1:]:  # the agents whose rows use x_j
+                if l not in held:
+                    send.setdefault(l // per, set()).add(i)
+        self._send = {q: sorted(v) for q, v in send.items()}
+        #: the neighbouring ranks (for one agent per rank: the neighbour agents)
+        self.neighbours = sorted(set(self._recv) | set(self._send))
+
+        self._local = MatrixMixer(S[lo:lo + per][:, lo:lo + per], validate=False)
+        self._halo_w = S[lo:lo + per][:, self.halo_agents] if self.halo_agents else None
+        self.bytes_sent = torch.zeros(per, dtype=torch.float64)
+        self.bytes_across = 0.0
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    # ------------------------------------------------------------ buffers
+
+    def _flat(self, X: torch.Tensor) -> torch.Tensor:
+        per = len(self.agents)
+        if X.dim() == 1 and per == 1:
+            X = X.unsqueeze(0)
+        if X.dim() < 2 or X.shape[0] != per:
+            raise ValueError(f"{type(self).__name__} takes the stack of this rank's {per} agent(s) "
+                             f"({per}×P{' or a P-vector' if per == 1 else ''}), got shape {tuple(X.shape)}")
+        if not X.is_contiguous():
+            raise ValueError(f"{type(self).__name__} needs a contiguous parameter stack")
+        return X.reshape(per, -1)
+
+    def _buffer(self, X2: torch.Tensor, purpose, rows: int) -> torch.Tensor:
+        key = (purpose, rows, X2.shape[1], X2.dtype, X2.device)
+        if key not in self._buffers:
+            self._buffers[key] = X2.new_empty((rows, X2.shape[1]))
+        return self._buffers[key]
+
+    def _remote(self, X2: torch.Tensor) -> torch.Tensor:
+        """W_bh, the weights of the halo rows (dense when dense enough, else sparse CSR)."""
+        key = ("W_bh", X2.dtype, X2.device)
+        if key not in self._buffers:
+            B = self._halo_w
+            if B.nnz > DENSE_FRACTION * B.shape[0] * B.shape[1]:
+                t = torch.as_tensor(B.toarray(), dtype=X2.dtype, device=X2.device)
+            else:
+                t = torch.sparse_csr_tensor(torch.as_tensor(B.indptr, dtype=torch.int64),
+                                            torch.as_tensor(B.indices, dtype=torch.int64),
+                                            torch.as_tensor(B.data, dtype=X2.dtype), size=B.shape,
+                                            device=X2.device, check_invariants=False)
+            self._buffers[key] = t
+        return self._buffers[key]
+
+    def _outgoing(self, X2: torch.Tensor, q: int) -> torch.Tensor:
+        """The held rows rank q needs, as one contiguous tensor (a view when they are consecutive)."""
+        idx = self._send[q]
+        if idx[-1] - idx[0] + 1 == len(idx):
+            return X2[idx[0]:idx[-1] + 1]
+        key = ("send-index", q, X2.device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.as_tensor(idx, device=X2.device)
+        return torch.index_select(X2, 0, self._buffers[key], out=self._buffer(X2, ("send", q), len(idx)))
+
+    # ------------------------------------------------------------ mixing
+
+    def start(self, X: torch.Tensor) -> Handle:
+        X2 = self._flat(X)
+        halo = self._buffer(X2, "halo", len(self.halo_agents))
+        out = self._buffer(X2, "mix", X2.shape[0])
+        ops = [("send", self._outgoing(X2, q), q) for q in self.neighbours if q in self._send]
+        ops += [("recv", halo[a:b], q) for q, (a, b) in sorted(self._recv.items())]
+        peers = [(kind, q) for kind, _, q in ops]
+        works = exchange(ops, group=self.group,
+                         what=f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours}")
+        if not self.exact:  # the in-block part while the halo travels
+            self._local.product(X2, out)
+        row_bytes = X2.shape[1] * X2.element_size()
+        self.bytes_sent += self.degrees * row_bytes
+        self.bytes_across += sum(len(v) for v in self._send.values()) * row_bytes
+        return _BlockHandle(self, works, peers, X2, halo, out, X.shape)
+
+    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        X2 = self._flat(X)
+        lo, per = self.agents[0], len(self.agents)
+        if mask is None:
+            part, count = X2.sum(dim=0), self.n_agents
+        else:
+            mine = mask[lo:lo + per].to(torch.bool).to(X2.device)
+            part, count = X2[mine].sum(dim=0), int(mask.sum())
+        work = dist.all_reduce(part, group=self.group, async_op=True)
+        wait(work, self.timeout, f"rank {self.rank}: all-reduce of {X2.shape[1]} values")
+        P, size = X2.shape[1], X2.element_size()
+        self.bytes_sent += allreduce_bytes(self.n_agents, P, size)
+        self.bytes_across += allreduce_bytes(self.world, P, size)
+        out = self._buffer(X2, "average", per)
+        return out.copy_(part.div_(count).expand_as(out)).view(X.shape)
+
+
+class NeighbourMixer(BlockMixer):
+    """Σ_l π_jl x_l for this rank's one agent (agent = rank), by exchange with its neighbours.
+
+    The one-agent-per-rank :class:`BlockMixer`, for a user's own training
+    loop (see :mod:`cdsgd.algorithms.optim`): ``start(x)`` takes this rank's
+    P-vector (or a 1×P stack), ``neighbours`` are the neighbour ranks.
+
+    Args:
+        W: the N×N mixing matrix (N = the group's size); this rank uses its row.
+        rank: this agent's index (its rank in ``group``).
+        group, timeout, exact, validate: as :class:`BlockMixer`.
     """
 
     def __init__(self, W, rank: int, *, group=None, timeout: float = 120.0, exact: bool = False,
                  validate: bool = True) -> None:
-        W = topologies.validate(W) if validate else (W if is_sparse(W) else np.asarray(W, dtype=np.float64))
-        self.n_agents = W.shape[0]
-        if not 0 <= rank < self.n_agents:
-            raise ValueError(f"rank {rank} is outside the {self.n_agents} agents of the mixing matrix")
-        if not timeout > 0:
-            raise ValueError(f"comm_timeout must be > 0 seconds, got {timeout!r}")
-        self.rank, self.group, self.timeout, self.exact = rank, group, float(timeout), bool(exact)
-        self.agents = [rank]
-        self.weights, sources = neighbourhood(W, rank)
-        self.neighbours = sources[1:]
-        self.bytes_sent = torch.zeros(1, dtype=torch.float64)
-        self._buffers: dict[tuple, tuple[list[torch.Tensor], torch.Tensor]] = {}
-
-    def _flat(self, X: torch.Tensor) -> torch.Tensor:
-        if X.dim() == 2 and X.shape[0] == 1:
-            X = X[0]
-        if X.dim() != 1:
-            raise ValueError(f"NeighbourMixer takes this rank's P-vector (or a 1×P stack), got shape {tuple(X.shape)}")
-        if not X.is_contiguous():
-            raise ValueError("NeighbourMixer needs a contiguous parameter vector")
-        return X
-
-    def _bufs(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], torch.Tensor]:
-        """The receive buffers (a degree×P matrix and its rows, one per neighbour) and the output."""
-        key = (x.numel(), x.dtype, x.device)
-        if key not in self._buffers:
-            recv = x.new_empty((len(self.neighbours), x.numel()))
-            self._buffers[key] = ((recv, list(recv)), torch.empty_like(x))
-        return self._buffers[key]
-
-    def _wvec(self, x: torch.Tensor) -> torch.Tensor:
-        key = ("w", x.dtype, x.device)
-        if key not in self._buffers:
-            self._buffers[key] = torch.tensor(self.weights[1:], dtype=x.dtype, device=x.device)
-        return self._buffers[key]
-
-    def start(self, X: torch.Tensor) -> Handle:
-        x = self._flat(X)
-        bufs, out = self._bufs(x)
-        ops = [("send", x, peer) for peer in self.neighbours]
-        ops += [("recv", buf, peer) for peer, buf in zip(self.neighbours, bufs[1])]
-        peers = [(kind, peer) for kind, _, peer in ops]
-        works = exchange(ops, group=self.group,
-                         what=f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours}")
-        self.bytes_sent += len(self.neighbours) * x.numel() * x.element_size()
-        return _NeighbourHandle(self, works, peers, x, bufs, out, X.shape)
-
-    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = self._flat(X)
-        if mask is None:
-            buf, count = x.clone(), self.n_agents
-        else:
-            buf = x.clone() if bool(mask[self.rank]) else torch.zeros_like(x)
-            count = int(mask.sum())
-        work = dist.all_reduce(buf, group=self.group, async_op=True)
-        wait(work, self.timeout, f"rank {self.rank}: all-reduce of {x.numel()} values")
-        self.bytes_sent += allreduce_bytes(self.n_agents, x.numel(), x.element_size())
-        return buf.div_(count).view(X.shape)
+        n = W.shape[0] if is_sparse(W) else np.shape(W)[0]
+        if not 0 <= rank < n:
+            raise ValueError(f"rank {rank} is outside the {n} agents of the mixing matrix")
+        super().__init__(W, rank, n, group=group, timeout=timeout, exact=exact, validate=validate)
 
 
 class DistReducer(Reducer):
-    """Sums across ranks with all-reduce (evaluation only); counts its own bytes."""
+    """Evaluation's reductions across ranks (all-reduce, all-gather, an ordered chain); counts its own bytes."""
 
     def __init__(self, *, group=None, device: torch.device | str = "cpu", timeout: float = 120.0) -> None:
         self.group, self.device, self.timeout = group, torch.device(device), float(timeout)
         self.bytes = 0.0
 
+    def _wait(self, work, what: str, peer: int | None = None) -> None:
+        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: {what}", peer)
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         buf = t.detach().to(self.device, copy=True)
-        work = dist.all_reduce(buf, group=self.group, async_op=True)
-        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: evaluation all-reduce")
+        self._wait(dist.all_reduce(buf, group=self.group, async_op=True), "evaluation all-reduce")
         n = dist.get_world_size(self.group)
         self.bytes += allreduce_bytes(n, buf.numel(), buf.element_size())
         return buf.to(t.device)
 
+    def agent_values(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's L×k block of per-agent figures, stacked in rank (= agent) order (an all-gather)."""
+        mine = local.detach().to(self.device).contiguous()
+        n = dist.get_world_size(self.group)
+        blocks = [torch.empty_like(mine) for _ in range(n)]
+        self._wait(dist.all_gather(blocks, mine, group=self.group, async_op=True), "gathering per-agent figures")
+        self.bytes += (n - 1) * mine.numel() * mine.element_size()
+        return torch.cat(blocks).to(local.device)
+
+    def sum_in_order(self, acc: torch.Tensor, add: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """A chain through the ranks: rank r receives the running sum from r − 1, adds its agents
+        (``add(acc)``, in place), passes it on; the last rank's total goes to every rank.
+
+        The additions happen in agent order whatever the layout, so the result is
+        the one the simulator gets by adding its rows one by one (exact mode).
+        """
+        rank, n = dist.get_rank(self.group), dist.get_world_size(self.group)
+        buf = acc.to(self.device)
+        if rank > 0:
+            works = exchange([("recv", buf, rank - 1)], group=self.group, what="the ordered evaluation sum")
+            self._wait(works[0], f"receiving the running sum from rank {rank - 1}", rank - 1)
+        add(buf)
+        if rank < n - 1:
+            works = exchange([("send", buf, rank + 1)], group=self.group, what="the ordered evaluation sum")
+            self._wait(works[0], f"sending the running sum to rank {rank + 1}", rank + 1)
+            self.bytes += buf.numel() * buf.element_size()
+        root = dist.get_global_rank(self.group, n - 1) if self.group is not None else n - 1
+        self._wait(dist.broadcast(buf, src=root, group=self.group, async_op=True), "broadcasting the ordered sum")
+        if rank == n - 1:
+            self.bytes += (n - 1) * buf.numel() * buf.element_size()
+        return buf.to(acc.device)
+
     def barrier(self, what: str) -> None:
         """Every rank reached this point (a 1-element all-reduce with the timeout; not counted as traffic)."""
-        work = dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True)
-        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: {what}")
+        self._wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True), what)
 
-    def gather(self, X: torch.Tensor) -> torch.Tensor:
-        """Every rank's 1×P row, stacked in rank order (an all-gather; evaluation traffic)."""
-        row = X.reshape(1, -1).to(self.device)
-        n = dist.get_world_size(self.group)
-        rows = [torch.empty_like(row) for _ in range(n)]
-        work = dist.all_gather(rows, row, group=self.group, async_op=True)
-        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: gathering parameters")
-        self.bytes += (n - 1) * row.numel() * row.element_size()
-        return torch.cat(rows).to(X.device)
+    def gather(self, X: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's L×P block, stacked in rank (= agent) order on rank 0; None on the others."""
+        block = X.reshape(X.shape[0], -1).contiguous().to(self.device)
+        rank, n = dist.get_rank(self.group), dist.get_world_size(self.group)
+        blocks = [torch.empty_like(block) for _ in range(n)] if rank == 0 else None
+        root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._wait(dist.gather(block, blocks, dst=root, group=self.group, async_op=True), "gathering parameters")
+        if rank != 0:
+            self.bytes += block.numel() * block.element_size()
+            return None
+        return torch.cat(blocks).to(X.device)
 
 
 def _digest(obj) -> str:

@@ -12,6 +12,8 @@ A run asks its group for everything that depends on where the agents live:
     ValueError (used to prepare the output folder once);
 ``check(facts)``
     every process holds the same facts (mixing matrix, config, ...);
+``agents``
+    the agents this process holds (None: all of them);
 ``mixer(W, exact)``, ``reducer(device)``
     the Mixer and Reducer the executor uses;
 ``diagnose(error) -> Failure``
@@ -85,6 +87,8 @@ class Group:
     rank: int = 0
     world: int = 1
     attempt: int = 0
+    #: the agents this process holds (None: every agent)
+    agents: list[int] | None = None
 
     def agree(self, value) -> list:
         raise NotImplementedError
@@ -134,24 +138,32 @@ class LocalGroup(Group):
 
 
 def join(*, device: str, comm_timeout: float, n_agents: int) -> "DistGroup":
-    """Join the torchrun launch this process belongs to (one rank per agent); a ValueError outside one."""
+    """Join the torchrun launch this process belongs to (a block of n_agents/world agents per rank).
+
+    A ValueError outside a launch, or when the world size does not divide n_agents.
+    """
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise ValueError(
-            f"executor='torch' runs one process per agent and must be launched by torchrun "
-            f"(missing {', '.join(missing)}): use  cdsgd launch --nproc-per-node {n_agents} [CONFIG] "
-            "[key=value ...]  or  torchrun --nproc-per-node N -m cdsgd run ... executor=torch"
+            f"executor='torch' runs the agents in torchrun processes and must be launched by torchrun "
+            f"(missing {', '.join(missing)}): use  cdsgd launch --nproc-per-node R [CONFIG] "
+            "[key=value ...]  (R dividing n_agents)  or  torchrun --nproc-per-node R -m cdsgd run ... executor=torch"
         )
     world = int(os.environ["WORLD_SIZE"])
-    if world != n_agents:
-        raise ValueError(f"world size {world} must equal n_agents={n_agents}: one rank per agent")
-    return DistGroup(device=device, comm_timeout=comm_timeout)
+    if world < 1 or n_agents % world:
+        raise ValueError(f"world size {world} must divide n_agents={n_agents}: every rank holds "
+                         "n_agents/world agents")
+    return DistGroup(device=device, comm_timeout=comm_timeout, n_agents=n_agents)
 
 
 class DistGroup(Group):
-    """One torch.distributed rank per agent (gloo on CPU, nccl on CUDA)."""
+    """torch.distributed ranks (gloo on CPU, nccl on CUDA), each holding a contiguous block of agents.
 
-    def __init__(self, *, device: str, comm_timeout: float) -> None:
+    Rank r holds agents r·N/R … (r+1)·N/R − 1 (:func:`cdsgd.runtime.exchange.agent_block`);
+    ``n_agents=None`` means one agent per rank.
+    """
+
+    def __init__(self, *, device: str, comm_timeout: float, n_agents: int | None = None) -> None:
         import torch.distributed as dist
         # Before joining: torch.distributed.nn binds group.WORLD as a default argument when imported (the first
         # optimizer imports it through torch._dynamo); imported after the join, it would keep the group alive
@@ -167,6 +179,7 @@ class DistGroup(Group):
         _die_with_parent()
         self.store, attempt = self._init()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.n_agents = self.world if n_agents is None else int(n_agents)
         self._failures: list[tuple[BaseException, Failure]] = []
         try:
             # only the restarted node's agent may count restarts: ask everyone
@@ -231,10 +244,16 @@ class DistGroup(Group):
 
         check_agreement(facts)
 
-    def mixer(self, W, *, exact: bool) -> Mixer:
-        from .exchange import NeighbourMixer
+    @property
+    def agents(self) -> list[int]:
+        from .exchange import agent_block
 
-        return NeighbourMixer(W, self.rank, timeout=self.timeout, exact=exact, validate=False)
+        return agent_block(self.n_agents, self.world, self.rank)
+
+    def mixer(self, W, *, exact: bool) -> Mixer:
+        from .exchange import BlockMixer
+
+        return BlockMixer(W, self.rank, self.world, timeout=self.timeout, exact=exact, validate=False)
 
     def reducer(self, device: torch.device) -> Reducer:
         from .exchange import DistReducer
