@@ -41,8 +41,8 @@ from .files import atomic_write
 __all__ = ["FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk", "load", "prune",
            "config_for_checkpoint", "config_mismatch", "remove_all"]
 
-#: the format tag every checkpoint carries
-FORMAT = "cdsgd-checkpoint/1"
+#: the format tag every checkpoint carries (2: per-agent train-loss sums and the bytes across processes)
+FORMAT = "cdsgd-checkpoint/2"
 
 
 
@@ -117,7 +117,8 @@ def load(path, *, config: dict, world: int, rank: int = 0) -> dict:
         raise ValueError(f"checkpoint {str(path)!r} is corrupted or not a cdsgd checkpoint "
                          f"(torch.load with weights_only=True refused it: {type(e).__name__}: {first})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {str(path)!r} is not a {FORMAT} file")
+        raise ValueError(f"checkpoint {str(path)!r} is not a {FORMAT} file (written by another cdsgd version? "
+                         "start the run afresh)")
     if payload.get("world") != world:
         raise ValueError(f"checkpoint {str(path)!r} was written by a run of world size {payload.get('world')}, "
                          f"this run has world size {world}")

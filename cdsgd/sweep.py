@@ -333,7 +333,15 @@ def group_table(out: str | os.PathLike) -> str:
     head = [*varying, "seeds", "spectral gap", *(c[1] for c in cols),
             "MB sent/agent"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(varying) + [" ---: "] * (len(head) - len(varying))) + "|"]
-    for key, runs in groups.items():
+    def order(key):  # numbers by value (16 before 256), other values as text
+        def one(v):
+            try:
+                return (0, float(v), "")
+            except (TypeError, ValueError):
+                return (1, 0.0, str(v))
+        return [one(v) for v in key]
+
+    for key, runs in sorted(groups.items(), key=lambda kv: order(kv[0])):
         cells = [short_value(v) for v in key]
         cells += [str(len(runs)), topologies.format_gap(float(runs[0]['spectral_gap']), 3)]
         cells += [stat(runs, c, fmt) for c, _, fmt in cols]

@@ -151,37 +151,17 @@ def _hybrid_launch(out, *more):
 @pytest.fixture(scope="module")
 def hybrid_reference(tmp_path_factory):
     """An uninterrupted hybrid launch: 8 agents on 2 ranks, a checkpoint each epoch."""
-    from launch_harness import finish, report, start
-    from test_runtime_reliability import DEADLINE
+    from test_runtime_reliability import uninterrupted
 
-    out = tmp_path_factory.mktemp("hybrid-ref") / "run"
-    log = out.parent / "log"
-    p = start(_hybrid_launch(out), {}, log)
-    timed_out = finish([p], DEADLINE)
-    assert p.returncode == 0 and not timed_out, report(["reference"], [p], [log], timed_out)
-    return out
+    return uninterrupted(tmp_path_factory, _hybrid_launch, "hybrid-ref")
 
 
 def test_hybrid_rank_killed_with_restart_ends_bit_identical(hybrid_reference, tmp_path):
     """A rank holding 4 agents is SIGKILLed; the restarted ranks resume their blocks from the checkpoint."""
-    from launch_harness import finish, report, start
-    from test_runtime_reliability import DEADLINE, kill_rank_after_checkpoint, metrics_without_wall
+    from test_runtime_reliability import restart_ends_as
 
-    out, log = tmp_path / "run", tmp_path / "log"
-    p = start(_hybrid_launch(out, "--max-restarts", "1"), {}, log)
-    try:
-        kill_rank_after_checkpoint(p, out, 1, world=2)
-        p.wait(timeout=DEADLINE)
-    finally:
-        timed_out = finish([p], 1)
-    text = report(["restarted"], [p], [log], timed_out)
-    assert p.returncode == 0, text
-    assert "after a restart: resuming from the latest complete checkpoint" in text, text
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["resumed_from_step"] > 0, summary
-    assert metrics_without_wall(out) == metrics_without_wall(hybrid_reference)
-    assert torch.equal(torch.load(out / "params.pt", weights_only=True),
-                       torch.load(hybrid_reference / "params.pt", weights_only=True))
+    out = tmp_path / "run"
+    restart_ends_as(hybrid_reference, _hybrid_launch(out, "--max-restarts", "1"), out, tmp_path / "log", world=2)
 
 
 def test_hybrid_rank_killed_without_restarts_is_named(tmp_path):

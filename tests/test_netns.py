@@ -83,53 +83,46 @@ def netns_pair():
                 pass
 
 
-def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, netns_pair):
-    one, two = tmp_path / "one", tmp_path / "two"
-    log = tmp_path / "one.log"
-    ref = start([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *BASE, f"out={one}"], {}, log)
-    timed_out = finish([ref], LAUNCH_TIMEOUT)
-    assert ref.returncode == 0 and not timed_out, report(["one node on loopback"], [ref], [log], timed_out)
-
+def _launch_on_two_hosts(netns_pair, tmp_path, nproc, args, out):
+    """``cdsgd launch --nnodes 2`` with ``nproc`` processes in each namespace; asserts both nodes exit 0."""
     master = netns_pair[0][2]
     procs, names, logs = [], [], []
     for rank, (ns, ifname, addr) in enumerate(netns_pair):
-        argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "2",
+        argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", str(nproc),
                 "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master,
-                "--master-port", str(MASTER_PORT), *BASE, f"out={two}"]
+                "--master-port", str(MASTER_PORT), *args, f"out={out}"]
         logs.append(tmp_path / f"node{rank}.log")
         procs.append(start(argv, {"GLOO_SOCKET_IFNAME": ifname}, logs[-1]))
         names.append(f"node {rank} (namespace {ns}, {ifname} {addr})")
     timed_out = finish(procs, LAUNCH_TIMEOUT)
     assert all(p.returncode == 0 for p in procs) and not timed_out, report(names, procs, logs, timed_out)
 
-    assert torch.equal(torch.load(one / "params.pt"), torch.load(two / "params.pt"))
-    m1, m2 = metrics(one), metrics(two)
-    assert len(m1) == len(m2) == 2
-    for a, b in zip(m1, m2):
-        assert {k: a[k] for k in NO_WALL} == {k: b[k] for k in NO_WALL}
+
+def _reference(tmp_path, argv, name):
+    out, log = tmp_path / name, tmp_path / f"{name}.log"
+    p = start([sys.executable, "-m", "cdsgd", *argv, f"out={out}"], {}, log)
+    timed_out = finish([p], LAUNCH_TIMEOUT)
+    assert p.returncode == 0 and not timed_out, report([name], [p], [log], timed_out)
+    return out
+
+
+def _assert_same_run(a, b):
+    assert torch.equal(torch.load(a / "params.pt"), torch.load(b / "params.pt"))
+    ma, mb = metrics(a), metrics(b)
+    assert len(ma) == len(mb) == 2
+    for x, y in zip(ma, mb):
+        assert {k: x[k] for k in NO_WALL} == {k: y[k] for k in NO_WALL}
+
+
+def test_two_nodes_in_network_namespaces_equal_one_node(tmp_path, netns_pair):
+    one = _reference(tmp_path, ["launch", "--nproc-per-node", "4", *BASE], "one")
+    _launch_on_two_hosts(netns_pair, tmp_path, 2, BASE, tmp_path / "two")
+    _assert_same_run(one, tmp_path / "two")
 
 
 def test_hybrid_on_two_namespace_hosts_is_bit_identical_to_the_simulator(tmp_path, netns_pair):
     """8 agents, 4 on each "host" (one process per namespace), exact mode: the simulator's numbers exactly."""
-    extra = ["n_agents=8", "exact=true", "topology=ring"]
-    sim, two = tmp_path / "sim", tmp_path / "two"
-    log = tmp_path / "sim.log"
-    ref = start([sys.executable, "-m", "cdsgd", "run", *BASE, *extra, f"out={sim}", "--no-progress"], {}, log)
-    timed_out = finish([ref], LAUNCH_TIMEOUT)
-    assert ref.returncode == 0 and not timed_out, report(["simulator"], [ref], [log], timed_out)
-
-    master = netns_pair[0][2]
-    procs, names, logs = [], [], []
-    for rank, (ns, ifname, addr) in enumerate(netns_pair):
-        argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "1",
-                "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master,
-                "--master-port", str(MASTER_PORT), *BASE, *extra, f"out={two}"]
-        logs.append(tmp_path / f"node{rank}.log")
-        procs.append(start(argv, {"GLOO_SOCKET_IFNAME": ifname}, logs[-1]))
-        names.append(f"node {rank} (namespace {ns}, {ifname} {addr})")
-    timed_out = finish(procs, LAUNCH_TIMEOUT)
-    assert all(p.returncode == 0 for p in procs) and not timed_out, report(names, procs, logs, timed_out)
-
-    assert torch.equal(torch.load(sim / "params.pt"), torch.load(two / "params.pt"))
-    for a, b in zip(metrics(sim), metrics(two)):
-        assert {k: a[k] for k in NO_WALL} == {k: b[k] for k in NO_WALL}
+    args = [*BASE, "n_agents=8", "exact=true", "topology=ring"]
+    sim = _reference(tmp_path, ["run", "--no-progress", *args], "sim")
+    _launch_on_two_hosts(netns_pair, tmp_path, 1, args, tmp_path / "two")
+    _assert_same_run(sim, tmp_path / "two")
