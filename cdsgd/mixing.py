@@ -133,12 +133,19 @@ class Mixer(abc.ABC):
         return self.agents
 
     @abc.abstractmethod
-    def start(self, X: torch.Tensor) -> Handle:
-        """Begin computing Π X; the handle's ``wait()`` returns it."""
+    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
+        """Begin computing Π X; the handle's ``wait()`` returns it.
 
-    def mix(self, X: torch.Tensor) -> torch.Tensor:
-        """Π X (blocking): ``start(X).wait()``."""
-        return self.start(X).wait()
+        ``slot`` names the buffers the result lives in: mixings of different
+        slots may be in flight (or held) at once, e.g. parameters and a
+        gradient tracker in the same step; a result is valid until the next
+        ``start`` of the same slot. Every process must start its slots in
+        the same order (messages to one peer pair up in order).
+        """
+
+    def mix(self, X: torch.Tensor, slot: str = "params") -> torch.Tensor:
+        """Π X (blocking): ``start(X, slot).wait()``."""
+        return self.start(X, slot).wait()
 
     @abc.abstractmethod
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -337,10 +344,10 @@ class MatrixMixer(Mixer):
             torch.mm(self._sparse(X2), X2, out=out2)
         return out2
 
-    def start(self, X: torch.Tensor) -> Handle:
+    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
         self._check(X)
         self.bytes_sent += self.degrees * (_numel_per_agent(X) * X.element_size())
-        out = self._buffer(X, "mix")
+        out = self._buffer(X, ("mix", slot))
         if self.exact:
             for j, (weights, src) in enumerate(self._rows):
                 ordered_weighted_sum(weights, [X[l] for l in src], out[j])

@@ -118,6 +118,7 @@ def validate_config(cfg: Config) -> Plan:
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
     G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
     W = topologies.mixing_matrix(G, cfg.mixing, sparse=G.number_of_nodes() > DENSE_UP_TO)  # no N×N array at scale
+    algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm)
 
 

@@ -16,6 +16,7 @@ import topologies
 from dist_harness import run_ranks
 from test_runtime_run import BASE, NO_WALL, cli, metrics
 
+from cdsgd.algorithms import make_algorithm
 from cdsgd.mixing import MatrixMixer
 from cdsgd.runtime import agent_block
 
@@ -111,9 +112,15 @@ def _run_pair(tmp_path, n, procs, extra):
     return sim, tor
 
 
-@pytest.mark.parametrize("n,procs,topology", [(8, 2, "ring"), (16, 4, "torus")])
-def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, topology):
-    sim, tor = _run_pair(tmp_path, n, procs, ["algorithm=cdmsgd", "exact=true", f"topology={topology}"])
+@pytest.mark.parametrize("n,procs,topology,alg,extra", [
+    (8, 2, "ring", "cdmsgd", []),
+    (16, 4, "torus", "cdmsgd", []),
+    (8, 2, "ring", "dsgt", []),  # two exchanges in flight per step (parameters and tracker)
+    (8, 2, "ring", "d2", ["mixing=lazy_metropolis"]),
+    (8, 2, "ring", "qg_dsgdm", []),
+])
+def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, topology, alg, extra):
+    sim, tor = _run_pair(tmp_path, n, procs, [f"algorithm={alg}", "exact=true", f"topology={topology}", *extra])
     assert torch.equal(torch.load(sim / "params.pt"), torch.load(tor / "params.pt"))
     ms, mt = metrics(sim), metrics(tor)
     assert len(ms) == len(mt) == 2
@@ -124,7 +131,7 @@ def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, to
     assert s_sim["bytes_across_processes"] == 0
     # the rows that cross the cut, every step: a ring of 8 in 2 arcs sends 2 rows each way;
     # a 4×4 torus in 4 strips of one row sends each row up and down: 4 rows to each of 2 ranks
-    rows = {"ring": 2 * 2, "torus": 4 * 8}[topology]
+    rows = {"ring": 2 * 2, "torus": 4 * 8}[topology] * make_algorithm(alg, lr=0.1).vectors_per_step
     steps = int(mt[-1]["step"])
     assert s_tor["bytes_across_processes"] == rows * s_tor["n_parameters"] * 4 * steps
 

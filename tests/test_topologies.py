@@ -348,7 +348,7 @@ def test_sparse_validation_checks_the_graph_support():
 ])
 def test_sparse_spectral_gap_agrees_with_the_dense_eigenvalues(name, params):
     """Above SPARSE_EIGEN_FROM nodes the gap comes from Lanczos (plain or shift-invert); at 600 both solvers run."""
-    from topologies.mixing import SPARSE_EIGEN_FROM
+    from topologies.spectral import SPARSE_EIGEN_FROM
 
     n = 600
     assert n >= SPARSE_EIGEN_FROM

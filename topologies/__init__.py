@@ -23,7 +23,8 @@ import networkx as nx
 
 from .builders import BUILDERS, build, builder_params
 from .io import FORMATS, load
-from .mixing import RULES, SPARSE_EIGEN_FROM, TOL, SpectralGap, format_gap, mixing_matrix, spectral_gap, validate
+from .mixing import RULES, TOL, mixing_matrix, validate
+from .spectral import SPARSE_EIGEN_FROM, SpectralGap, format_gap, smallest_eigenvalue, spectral_gap
 from .registry import Registry, unknown_name_error
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "load",
     "mixing_matrix",
     "resolve",
+    "smallest_eigenvalue",
     "spectral_gap",
     "unknown_name_error",
     "validate",

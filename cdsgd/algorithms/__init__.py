@@ -3,11 +3,14 @@
 ``make_algorithm(name, **hyper)`` gives the :class:`Algorithm` the executors
 call on the stacked parameters; :class:`CDSGD`/:class:`CDMSGD` are the
 same arithmetic as ``torch.optim`` optimizers for one agent in a user's own
-loop. The maths of every rule is in :mod:`cdsgd.algorithms.rules`.
+loop. The maths of every rule is in :mod:`cdsgd.algorithms.rules` (CDSGD, CDMSGD
+and the baselines) and :mod:`cdsgd.algorithms.heterogeneous` (gradient
+tracking, D², quasi-global momentum).
 """
 
 from ..checks import check_int, check_lr, check_momentum, check_weight_decay  # noqa: F401 - old import path
-from .optim import CDMSGD, CDSGD
+from .heterogeneous import D2Algorithm, DSGTAlgorithm, QGDSGDmAlgorithm
+from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
 from .rules import (
     ALGORITHMS,
     Algorithm,
@@ -24,6 +27,10 @@ __all__ = [
     "Algorithm",
     "CDMSGD",
     "CDSGD",
+    "D2Algorithm",
+    "DSGTAlgorithm",
+    "DecentralizedOptimizer",
+    "QGDSGDmAlgorithm",
     "StepSize",
     "algorithm_params",
     "cdsgd_update",

@@ -1,4 +1,5 @@
-"""``torch.optim`` classes for a user's own training loop: :class:`CDSGD` and :class:`CDMSGD`.
+"""``torch.optim`` classes for a user's own training loop: :class:`CDSGD`, :class:`CDMSGD`, and
+:class:`DecentralizedOptimizer` for any neighbour rule (``dsgt``, ``d2``, ``qg_dsgdm``, ...).
 
 One instance per agent (e.g. per torchrun rank), taking a Mixer that
 exchanges that agent's flat P-vector with its neighbours (the runtime's
@@ -28,9 +29,9 @@ import torch
 from ..checks import check_lr, check_momentum, check_weight_decay
 from ..flat import flatten, unflatten
 from ..mixing import Handle, Mixer
-from .rules import cdsgd_update, momentum_update, with_weight_decay
+from .rules import Algorithm, cdsgd_update, make_algorithm, momentum_update, with_weight_decay
 
-__all__ = ["CDMSGD", "CDSGD"]
+__all__ = ["CDMSGD", "CDSGD", "DecentralizedOptimizer"]
 
 
 
@@ -136,3 +137,101 @@ class CDMSGD(_ConsensusOptimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
         momentum_update(mixed, g, state["momentum_buffer"], group["lr"], group["momentum"], group["nesterov"], out=p)
+
+
+class DecentralizedOptimizer(torch.optim.Optimizer):
+    r"""Any neighbour update rule of :func:`make_algorithm` as a ``torch.optim`` optimizer for one agent.
+
+    The rule is the executors' own (:mod:`cdsgd.algorithms.rules`,
+    :mod:`cdsgd.algorithms.heterogeneous`): the agent's parameters are
+    flattened into one 1×P row, the rule updates it with its state
+    (tracker, previous iterate, momentum) and the Mixer, and the result is
+    written back into the parameters. Hyperparameters belong to the rule
+    (``lr``, ``momentum``, ``lr_schedule``, ...), not to parameter groups; the
+    step counter k drives the step-size schedule.
+
+    Args:
+        params: the agent's parameters.
+        mixer: a Mixer for this agent (e.g. ``cdsgd.runtime.NeighbourMixer``);
+            rules that exchange two vectors (``dsgt``) need one that supports
+            ``slot`` (the runtime's and the simulator's mixers do).
+        algorithm: a name (``dsgt``, ``d2``, ``qg_dsgdm``, ``cdsgd``,
+            ``cdmsgd``) with ``**hyper``, or a ready :class:`Algorithm`.
+
+    Call ``opt.post()`` before the backward pass to overlap the exchanges of
+    rules that allow it (``cdsgd``, ``cdmsgd``, ``dsgt``), then ``opt.step()``.
+    ``state_dict()`` holds the rule's state and k, so a checkpointed loop
+    resumes bit for bit. D² checks its condition on W when you build the mixer
+    yourself: call ``opt.algorithm.check_mixing(W)``.
+
+    Example (in a torchrun script)::
+
+        opt = DecentralizedOptimizer(model.parameters(), NeighbourMixer(W, rank), "dsgt", lr=0.05, momentum=0.9)
+        for x, y in batches:
+            opt.post(); opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+    """
+
+    def __init__(self, params, mixer: Mixer, algorithm: str | Algorithm = "dsgt", **hyper) -> None:
+        if not isinstance(mixer, Mixer):
+            raise ValueError(f"mixer must be a cdsgd.mixing.Mixer, got {type(mixer).__name__}")
+        if isinstance(algorithm, str):
+            algorithm = make_algorithm(algorithm, **hyper)
+        elif hyper:
+            raise ValueError(f"hyperparameters {sorted(hyper)} given with a ready Algorithm; set them on it")
+        if algorithm.traffic != "neighbours":
+            raise ValueError(f"algorithm {algorithm.name!r} is not a neighbour rule; DecentralizedOptimizer "
+                             "takes cdsgd, cdmsgd, dsgt, d2 or qg_dsgdm")
+        super().__init__(params, {})
+        self.mixer, self.algorithm = mixer, algorithm
+        params = self._params()
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        self._X = flatten(params).unsqueeze(0)
+        self._G = torch.zeros_like(self._X)
+        algorithm.bind(n_agents=mixer.n_agents, steps_per_epoch=1, seed=0)
+        self.rule_state = algorithm.init_state(self._X)
+        self.k = 0
+        self._handle = None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def post(self) -> None:
+        """Start the exchanges that need only the current state (rules with ``mixes_params``)."""
+        flatten(self._params(), out=self._X[0])
+        if self.algorithm.mixes_params:
+            self._handle = self.algorithm.start(self._X, self.rule_state, self.mixer)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._params()
+        if self._handle is None:
+            self.post()
+        flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in params], out=self._G[0])
+        handle, self._handle = self._handle, None
+        self.algorithm.update(self._X, self._G, self.rule_state, k=self.k, mixer=self.mixer, mixed=handle)
+        for p, new in zip(params, unflatten(self._X[0], [p.shape for p in params])):
+            p.copy_(new)
+        self.k += 1
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"k": self.k, "algorithm": self.algorithm.name,
+                "rule_state": {name: t.detach().clone() for name, t in self.rule_state.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("algorithm") != self.algorithm.name:
+            raise ValueError(f"optimizer state is of algorithm {state.get('algorithm')!r}, this optimizer runs "
+                             f"{self.algorithm.name!r}")
+        if sorted(state["rule_state"]) != sorted(self.rule_state):
+            raise ValueError(f"optimizer state holds {sorted(state['rule_state'])}, this rule {sorted(self.rule_state)}")
+        with torch.no_grad():
+            for name, t in state["rule_state"].items():
+                self.rule_state[name].copy_(t)
+        self.k = int(state["k"])
+

@@ -175,10 +175,15 @@ class Algorithm:
     Executors call, per step k: ``mask = participants(k)``; compute G at X
     (rows outside ``mask`` may be skipped); ``update(X, G, state, k=k,
     mixer=mixer, mixed=...)``, which overwrites X with the new parameters
-    (and returns it). When ``mixes_params`` is true the rule needs
-    Π X, and the executor may start that exchange before the backward pass
-    and pass its handle as ``mixed``; otherwise the rule calls the mixer
-    itself (on gradients, or on parameters at the end of a FedAvg round).
+    (and returns it). When ``mixes_params`` is true the rule's exchanges
+    depend only on what is known before the gradient (Π X, and for gradient
+    tracking Π Y too): the executor calls ``start(X, state, mixer)`` before
+    the backward pass and passes what it returns as ``mixed``; otherwise the
+    rule calls the mixer itself (on gradients, on a half-step, or on
+    parameters at the end of a FedAvg round).
+
+    ``vectors_per_step`` is how many P-vectors each agent sends to each
+    neighbour per step (what ``bytes_sent_per_agent`` counts).
     """
 
     name: ClassVar[str]
@@ -188,6 +193,8 @@ class Algorithm:
     mixes_params: ClassVar[bool] = False
     #: all agents must start from the same parameters (one model: sgd, msgd, fedavg)
     same_init: ClassVar[bool] = False
+    #: P-vectors each agent sends each neighbour per step (all-reduce rules: per all-reduce)
+    vectors_per_step: ClassVar[int] = 1
 
     def __init__(self, *, lr: float, lr_schedule: str = "constant", lr_tau: float = 1000.0,
                  lr_power: float = 1.0, weight_decay: float = 0.0) -> None:
@@ -206,6 +213,13 @@ class Algorithm:
         """Boolean mask of the agents that compute a gradient at step k (None: all)."""
         return None
 
+    def check_mixing(self, W) -> None:
+        """Refuse a mixing matrix the rule cannot converge with (ValueError naming why); default: any."""
+
+    def start(self, X: torch.Tensor, state: dict, mixer: Mixer):
+        """Post the exchanges of step k that need nothing but the pre-gradient state (``mixes_params``)."""
+        return mixer.start(X)
+
     def update(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer,
                mixed: Handle | torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -218,6 +232,21 @@ def _mixed(X: torch.Tensor, mixer: Mixer, mixed) -> torch.Tensor:
     if mixed is None:
         return mixer.mix(X)
     return mixed.wait() if isinstance(mixed, Handle) else mixed
+
+
+def _direction(G: torch.Tensor, state: dict, momentum: float, nesterov: bool) -> torch.Tensor:
+    """The local momentum direction d (``state["momentum"]`` in place): m ← μ m + g; d = g + μ m
+    (Nesterov) or m (heavy ball); μ = 0: d = g. Returns d in ``state["direction"]`` (or G itself)."""
+    if not momentum:
+        return G
+    m, d = state["momentum"], state["direction"]
+    for G_b, m_b, d_b in _in_blocks(G, m, d):
+        m_b.mul_(momentum).add_(G_b)
+        if nesterov:
+            torch.add(G_b, m_b, alpha=momentum, out=d_b)
+        else:
+            d_b.copy_(m_b)
+    return d
 
 
 class _MomentumMixin:

@@ -205,6 +205,7 @@ class Executor:
             W = W if is_sparse(W) else np.asarray(W, dtype=np.float64)
             if W.shape != (n, n):
                 raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
+            algorithm.check_mixing(W)
             self.mixer = MatrixMixer(W, exact=exact)
         if self.mixer.n_agents != n:
             raise ValueError(f"mixer is for {self.mixer.n_agents} agents but there are {n} shards")
@@ -277,10 +278,10 @@ class Executor:
         alg, X, k = self.algorithm, self.X, self.k
         mask = alg.participants(k)
         active = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
-        handle = self.mixer.start(X) if alg.mixes_params and self.overlap else None
+        handle = alg.start(X, self.state, self.mixer) if alg.mixes_params and self.overlap else None
         losses = self.gradients.gradients(active, self._batches(active))
         if alg.mixes_params and not self.overlap:
-            handle = self.mixer.start(X)
+            handle = alg.start(X, self.state, self.mixer)
         alg.update(X, self._G, self.state, k=k, mixer=self.mixer, mixed=handle)
         self.k += 1
         losses = losses.detach().double().cpu()

@@ -207,7 +207,7 @@ class BlockMixer(Mixer):
             self._buffers[key] = t
         return self._buffers[key]
 
-    def _outgoing(self, X2: torch.Tensor, q: int) -> torch.Tensor:
+    def _outgoing(self, X2: torch.Tensor, q: int, slot: str) -> torch.Tensor:
         """The held rows rank q needs, as one contiguous tensor (a view when they are consecutive)."""
         idx = self._send[q]
         if idx[-1] - idx[0] + 1 == len(idx):
@@ -215,15 +215,15 @@ class BlockMixer(Mixer):
         key = ("send-index", q, X2.device)
         if key not in self._buffers:
             self._buffers[key] = torch.as_tensor(idx, device=X2.device)
-        return torch.index_select(X2, 0, self._buffers[key], out=self._buffer(X2, ("send", q), len(idx)))
+        return torch.index_select(X2, 0, self._buffers[key], out=self._buffer(X2, ("send", q, slot), len(idx)))
 
     # ------------------------------------------------------------ mixing
 
-    def start(self, X: torch.Tensor) -> Handle:
+    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
         X2 = self._flat(X)
-        halo = self._buffer(X2, "halo", len(self.halo_agents))
-        out = self._buffer(X2, "mix", X2.shape[0])
-        ops = [("send", self._outgoing(X2, q), q) for q in self.neighbours if q in self._send]
+        halo = self._buffer(X2, ("halo", slot), len(self.halo_agents))
+        out = self._buffer(X2, ("mix", slot), X2.shape[0])
+        ops = [("send", self._outgoing(X2, q, slot), q) for q in self.neighbours if q in self._send]
         ops += [("recv", halo[a:b], q) for q, (a, b) in sorted(self._recv.items())]
         peers = [(kind, q) for kind, _, q in ops]
         works = exchange(ops, group=self.group,
