@@ -48,14 +48,16 @@ def _add_topo(sub) -> None:
         help="describe a topology and its mixing matrix",
         description="Build a named topology (or read a graph file), compute its mixing matrix, and print "
         "n, edge count, degree range, diameter, the second-largest eigenvalue modulus and the spectral gap "
-        "(and the matrix itself for n <= 16).",
+        "(and the matrix itself for n <= 16). For a time-varying schedule: its period, the rate at which a "
+        "period contracts the distance to the average, each W_k and their product (with --json, or n <= 16).",
         epilog=f"topologies: {', '.join(topologies.BUILDERS.names())}\n"
+        f"time-varying schedules: {', '.join(topologies.SCHEDULES.names())}\n"
         f"graph files: {', '.join(topologies.FORMATS)}\n"
         f"rules: {', '.join(topologies.RULES.names())}\n"
         "example: cdsgd topo erdos_renyi --n 16 --param p=0.3 --param seed=1 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("topology", metavar="NAME_OR_PATH", help="builder name or graph file path")
+    p.add_argument("topology", metavar="NAME_OR_PATH", help="builder or schedule name, or graph file path")
     p.add_argument("--n", type=int, default=None, help="number of nodes (required for builder names)")
     p.add_argument("--rule", default="metropolis", help="weight rule (default: metropolis)")
     p.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
@@ -73,6 +75,8 @@ def _cmd_topo(args) -> int:
     import topologies
 
     params = _parse_params(args.param)
+    if args.topology in topologies.SCHEDULES:
+        return _topo_schedule(args, params)
     G = topologies.resolve(args.topology, args.n, **params)
     W = topologies.mixing_matrix(G, args.rule, sparse=G.number_of_nodes() > 16)
     info = {"topology": str(args.topology), "params": params, "rule": args.rule,
@@ -97,6 +101,41 @@ def _cmd_topo(args) -> int:
         print(_format_matrix(W))
     if args.draw:
         print(f"drawing       {args.draw}")
+    return 0
+
+
+def _topo_schedule(args, params) -> int:
+    """``cdsgd topo`` for a time-varying schedule: period, rate, the matrices and their product."""
+    import topologies
+
+    if args.n is None:
+        raise ValueError(f"schedule {args.topology!r} needs --n")
+    if args.draw:
+        raise ValueError("--draw draws one graph; a schedule has one per step (use --json for its matrices)")
+    s = topologies.schedule(args.topology, args.n, **params)
+    gap = topologies.spectral_gap(s)
+    info = {"topology": args.topology, "params": params, "schedule": True, "n": s.n, "period": len(s),
+            "symmetric": s.symmetric, "consensus_rate": s.consensus_rate(), "lambda2": gap.lambda2,
+            "spectral_gap": gap.gap}
+    if args.json:
+        dense = [W.toarray() if hasattr(W, "toarray") else W for W in s]
+        info["matrices"] = [W.tolist() for W in dense]
+        info["product"] = s.product().tolist()
+        print(json.dumps(info))
+        return 0
+    print(f"schedule        {args.topology}" + (f" {params}" if params else ""))
+    print(f"n               {s.n}")
+    print(f"period          {len(s)} steps (W_k = W_(k mod {len(s)}))")
+    print(f"symmetric       {'yes' if info['symmetric'] else 'no'}")
+    print(f"consensus rate  {info['consensus_rate']:.6g}   (||W_(T-1)...W_0 - 11^T/n||_2 over a period; 0: exact "
+          "average)")
+    print(f"spectral gap    {topologies.format_gap(gap.gap, 6)}   (per-step equivalent: 1 - rate^(1/period))")
+    if s.n <= 16:
+        for k, W in enumerate(s):
+            print(f"W_{k}")
+            print(_format_matrix(W))
+        print("product over a period")
+        print(_format_matrix(s.product()))
     return 0
 
 

@@ -49,7 +49,9 @@ __all__ = [
     "Handle",
     "Mixer",
     "MatrixMixer",
+    "ScheduleMixer",
     "allreduce_bytes",
+    "is_schedule",
     "is_sparse",
     "neighbourhood",
     "ordered_weighted_sum",
@@ -87,6 +89,11 @@ def ordered_weighted_sum(weights: Sequence[float], tensors: Sequence[torch.Tenso
 def is_sparse(W) -> bool:
     """True for a ``scipy.sparse`` matrix (what ``topologies.mixing_matrix(..., sparse=True)`` returns)."""
     return hasattr(W, "tocsr") and hasattr(W, "nnz")
+
+
+def is_schedule(W) -> bool:
+    """True for a time-varying :class:`topologies.Schedule` (what ``topologies.schedule(...)`` returns)."""
+    return isinstance(W, topologies.Schedule)
 
 
 def neighbourhood(W, j: int) -> tuple[list[float], list[int]]:
@@ -150,6 +157,10 @@ class Mixer(abc.ABC):
     @abc.abstractmethod
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The mean of the (masked) agents' X, returned to every agent."""
+
+    def at(self, k: int) -> "Mixer":
+        """The mixer of step k (a time-varying :class:`ScheduleMixer` has one per step of its period)."""
+        return self
 
 
 def _numel_per_agent(X: torch.Tensor) -> int:
@@ -360,3 +371,49 @@ class MatrixMixer(Mixer):
         self.bytes_sent += allreduce_bytes(self.n_agents, _numel_per_agent(X), X.element_size())
         mean = X.mean(dim=0, keepdim=True) if mask is None else X[mask.to(torch.bool)].mean(dim=0, keepdim=True)
         return self._buffer(X, "average").copy_(mean.expand_as(X))
+
+
+class ScheduleMixer(Mixer):
+    """Π_k X for a time-varying :class:`topologies.Schedule`: one mixer per step of its period.
+
+    ``at(k)`` is the mixer of W_{k mod T}, built on first use by ``make(W_k)``
+    (a :class:`MatrixMixer` in the simulator, the runtime's ``BlockMixer``
+    across processes, which then exchanges with that step's peers only).
+    The phases share one ``bytes_sent`` counter; ``average`` needs no W and
+    uses the first. Executors and :class:`~cdsgd.algorithms.DecentralizedOptimizer`
+    call ``at(k)``; ``start`` without a step is refused.
+    """
+
+    def __init__(self, schedule, make) -> None:
+        self.schedule, self._make = schedule, make
+        self._phases: dict[int, Mixer] = {}
+        first = self.at(0)
+        self.n_agents, self.agents = first.n_agents, list(first.agents)
+        self.bytes_sent = first.bytes_sent
+
+    def at(self, k: int) -> Mixer:
+        k = int(k) % len(self.schedule)
+        if k not in self._phases:
+            mixer = self._make(self.schedule[k])
+            if self._phases:
+                mixer.bytes_sent = self.bytes_sent  # one counter for every step of the period
+            self._phases[k] = mixer
+        return self._phases[k]
+
+    @property
+    def bytes_across(self) -> float:
+        """What this process sent to other processes, over every step of the period."""
+        return float(sum(getattr(m, "bytes_across", 0.0) for m in self._phases.values()))
+
+    @bytes_across.setter
+    def bytes_across(self, value: float) -> None:
+        for k, m in self._phases.items():
+            if hasattr(m, "bytes_across"):
+                m.bytes_across = float(value) if k == 0 else 0.0
+
+    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
+        raise ValueError(f"a time-varying schedule ({self.schedule!r}) mixes with W_k: call mixer.at(k).start(X)")
+
+    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.at(0).average(X, mask)
+

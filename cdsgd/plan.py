@@ -116,8 +116,12 @@ def validate_config(cfg: Config) -> Plan:
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
     check_model_options(cfg.model, cfg.model_params)
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
-    G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
-    W = topologies.mixing_matrix(G, cfg.mixing, sparse=G.number_of_nodes() > DENSE_UP_TO)  # no N×N array at scale
+    if cfg.topology in topologies.SCHEDULES:  # time-varying: W_k of the schedule at step k (its own weights)
+        W = topologies.schedule(cfg.topology, cfg.n_agents, **cfg.topology_params)
+        G = W.union_graph()
+    else:
+        G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
+        W = topologies.mixing_matrix(G, cfg.mixing, sparse=G.number_of_nodes() > DENSE_UP_TO)  # no N×N at scale
     algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm)
 

@@ -118,6 +118,7 @@ def _run_pair(tmp_path, n, procs, extra):
     (8, 2, "ring", "dsgt", []),  # two exchanges in flight per step (parameters and tracker)
     (8, 2, "ring", "d2", ["mixing=lazy_metropolis"]),
     (8, 2, "ring", "qg_dsgdm", []),
+    (8, 2, "one_peer_exponential", "cdmsgd", []),  # time-varying: each step exchanges with that step's peers
 ])
 def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, topology, alg, extra):
     sim, tor = _run_pair(tmp_path, n, procs, [f"algorithm={alg}", "exact=true", f"topology={topology}", *extra])
@@ -129,11 +130,24 @@ def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, to
     s_sim, s_tor = (json.loads((p / "summary.json").read_text()) for p in (sim, tor))
     assert s_tor["processes"] == procs and s_sim["processes"] == 1
     assert s_sim["bytes_across_processes"] == 0
-    # the rows that cross the cut, every step: a ring of 8 in 2 arcs sends 2 rows each way;
-    # a 4×4 torus in 4 strips of one row sends each row up and down: 4 rows to each of 2 ranks
-    rows = {"ring": 2 * 2, "torus": 4 * 8}[topology] * make_algorithm(alg, lr=0.1).vectors_per_step
+    # the rows that cross the cut: a ring of 8 in 2 arcs sends 2 rows each way per step; a 4×4 torus in
+    # 4 strips of one row sends each row up and down (4 rows to each of 2 ranks); a schedule, its W_k's
     steps = int(mt[-1]["step"])
-    assert s_tor["bytes_across_processes"] == rows * s_tor["n_parameters"] * 4 * steps
+    if topology in topologies.SCHEDULES:
+        s = topologies.schedule(topology, n)
+        rows = sum(_cut_rows(np.asarray(s[k]), procs) for k in range(steps))
+    else:
+        rows = {"ring": 2 * 2, "torus": 4 * 8}[topology] * steps
+    rows *= make_algorithm(alg, lr=0.1).vectors_per_step
+    assert s_tor["bytes_across_processes"] == rows * s_tor["n_parameters"] * 4
+
+
+def _cut_rows(W: np.ndarray, procs: int) -> int:
+    """Rows one step sends between processes: each agent's row once to every other rank that uses it."""
+    n = W.shape[0]
+    owner = np.arange(n) // (n // procs)
+    uses = (W != 0) & ~np.eye(n, dtype=bool)  # uses[i, l]: agent i mixes x_l
+    return sum(len(set(owner[uses[:, l]]) - {owner[l]}) for l in range(n))
 
 
 @pytest.mark.parametrize("alg,extra", [

@@ -26,14 +26,17 @@ from .io import FORMATS, load
 from .mixing import RULES, TOL, mixing_matrix, validate
 from .spectral import SPARSE_EIGEN_FROM, SpectralGap, format_gap, smallest_eigenvalue, spectral_gap
 from .registry import Registry, unknown_name_error
+from .schedules import SCHEDULES, Schedule, schedule, schedule_params
 
 __all__ = [
     "BUILDERS",
     "FORMATS",
     "RULES",
+    "SCHEDULES",
     "SPARSE_EIGEN_FROM",
     "TOL",
     "Registry",
+    "Schedule",
     "SpectralGap",
     "build",
     "builder_params",
@@ -43,6 +46,8 @@ __all__ = [
     "load",
     "mixing_matrix",
     "resolve",
+    "schedule",
+    "schedule_params",
     "smallest_eigenvalue",
     "spectral_gap",
     "unknown_name_error",

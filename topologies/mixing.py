@@ -210,13 +210,17 @@ def _is_sparse(W) -> bool:
     return hasattr(W, "tocsr") and hasattr(W, "nnz")
 
 
-def validate(W, G: nx.Graph | None = None, *, tol: float = TOL):
+def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool = True, connected: bool = True):
     """Check that ``W`` is a valid mixing matrix (for ``G`` when given).
 
     Checks, in order: square 2-D, finite, non-negative, symmetric
     (|W_ij − W_ji| <= tol), every row and column sums to 1 (within tol), zero
     wherever G has no edge (diagonal excepted), and connected (the graph of
     W's non-zero off-diagonal entries, which must then also be G's edges).
+    ``symmetric=False`` and ``connected=False`` leave those two checks out:
+    one step of a time-varying schedule (:mod:`topologies.schedules`) is
+    doubly stochastic but may be neither; the schedule checks connectivity
+    over its period.
 
     Returns ``W`` as a float64 array, or, for a ``scipy.sparse`` matrix, as a
     float64 CSR array (checked in O(n + non-zeros)). Raises ValueError naming
@@ -267,7 +271,7 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL):
         raise ValueError(f"mixing matrix entry W[{i}, {j}] = {_fmt(v)} is negative")
     D = (S - S.T).tocoo()
     bad = np.abs(D.data) > tol
-    if bad.any():
+    if symmetric and bad.any():
         k = np.lexsort((D.col[bad], D.row[bad]))[0]
         i, j = int(D.row[bad][k]), int(D.col[bad][k])
         raise ValueError(
@@ -288,7 +292,8 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL):
                 raise ValueError(
                     f"mixing matrix entry W[{i}, {j}] = {_fmt(v)} but nodes {i} and {j} are not linked in the graph"
                 )
-    _check_connected(n, rows[off], cols[off])
+    if connected:
+        _check_connected(n, rows[off], cols[off])
     return S if dense is None else dense
 
 

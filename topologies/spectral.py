@@ -60,6 +60,10 @@ def spectral_gap(W) -> SpectralGap:
     only when Gershgorin's bound λₙ >= min_i (2·W_ii − 1) cannot rule out
     |λₙ| > λ₂.
 
+    For a time-varying :class:`~topologies.schedules.Schedule` of period T,
+    ``lambda2`` is the per-step equivalent of its period's rate,
+    ``consensus_rate() ** (1/T)``, and ``gap = 1 − lambda2``.
+
     Example (ring of n with Metropolis weights: gap = 1 − (1/3 + 2/3·cos(2π/n))):
 
         >>> from topologies import build, mixing_matrix
@@ -68,6 +72,9 @@ def spectral_gap(W) -> SpectralGap:
         >>> math.isclose(g.gap, 1 - (1/3 + 2/3 * math.cos(2 * math.pi / 10)))
         True
     """
+    if hasattr(W, "consensus_rate"):  # a time-varying Schedule: the per-step equivalent of its period's rate
+        rate = W.consensus_rate() ** (1.0 / len(W))
+        return SpectralGap(1.0 - rate, rate)
     if _is_sparse(W):
         S = W.tocsr().astype(np.float64)
         n = S.shape[0]

@@ -127,7 +127,10 @@ class D2Algorithm(_LocalMomentum, Algorithm):
                 "half_step": torch.zeros_like(X), **self._momentum_state(X)}
 
     def check_mixing(self, W) -> None:
-        """Refuse W unless its smallest eigenvalue exceeds −1/3 (D²'s convergence condition)."""
+        """Refuse W unless its smallest eigenvalue exceeds −1/3 (D²'s convergence condition); refuse schedules."""
+        if isinstance(W, topologies.Schedule):
+            raise ValueError(f"algorithm 'd2' needs one fixed symmetric mixing matrix, not a time-varying "
+                             f"schedule ({W.name}); use dsgt, cdsgd or cdmsgd with it")
         lam = topologies.smallest_eigenvalue(W)
         if not lam > D2_MIN_EIGENVALUE + 1e-12:
             raise ValueError(

@@ -201,7 +201,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Start the exchanges that need only the current state (rules with ``mixes_params``)."""
         flatten(self._params(), out=self._X[0])
         if self.algorithm.mixes_params:
-            self._handle = self.algorithm.start(self._X, self.rule_state, self.mixer)
+            self._handle = self.algorithm.start(self._X, self.rule_state, self.mixer.at(self.k))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
@@ -214,7 +214,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.post()
         flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in params], out=self._G[0])
         handle, self._handle = self._handle, None
-        self.algorithm.update(self._X, self._G, self.rule_state, k=self.k, mixer=self.mixer, mixed=handle)
+        self.algorithm.update(self._X, self._G, self.rule_state, k=self.k, mixer=self.mixer.at(self.k), mixed=handle)
         for p, new in zip(params, unflatten(self._X[0], [p.shape for p in params])):
             p.copy_(new)
         self.k += 1

@@ -64,7 +64,7 @@ from torch import nn
 
 from ..algorithms import Algorithm, algorithm_params, make_algorithm
 from ..checks import check_int
-from ..mixing import MatrixMixer, Mixer, is_sparse
+from ..mixing import MatrixMixer, Mixer, ScheduleMixer, is_schedule, is_sparse
 from ..seeding import derive_seed, generator
 from . import evaluation
 from .agents import build_agents
@@ -95,7 +95,8 @@ class Executor:
     Args:
         model_fn: builds one agent's ``nn.Module`` (called under a seeded RNG).
         shards: per-agent training data, a sequence of (inputs, targets) tensor pairs.
-        W: the N×N mixing matrix (numpy or nested lists), or a ready Mixer.
+        W: the N×N mixing matrix (numpy, nested lists or scipy.sparse), a
+            time-varying :class:`topologies.Schedule` (step k mixes with W_k), or a ready Mixer.
             Not used by ``sgd``, ``msgd``, ``fedavg`` (all-average) nor by
             ``local``; pass ``None`` there to use Π = 11ᵀ/N for bookkeeping.
         algorithm: a name (with ``**hyper`` for :func:`make_algorithm`) or an Algorithm.
@@ -201,6 +202,11 @@ class Executor:
             if algorithm.traffic == "neighbours":
                 raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
             self.mixer = MatrixMixer(None, n_agents=n, exact=exact)
+        elif is_schedule(W):
+            if W.n != n:
+                raise ValueError(f"schedule {W!r} is for {W.n} agents but there are {n} agents (shards)")
+            algorithm.check_mixing(W)
+            self.mixer = ScheduleMixer(W, lambda Wk: MatrixMixer(Wk, exact=exact, validate=False))
         else:
             W = W if is_sparse(W) else np.asarray(W, dtype=np.float64)
             if W.shape != (n, n):
@@ -276,13 +282,14 @@ class Executor:
         """One synchronous step of every agent held here. Returns their mean batch loss (NaN if none stepped)."""
         t0 = time.perf_counter()
         alg, X, k = self.algorithm, self.X, self.k
+        mixer = self.mixer.at(k)  # W_k of a time-varying schedule; the one mixer otherwise
         mask = alg.participants(k)
         active = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
-        handle = alg.start(X, self.state, self.mixer) if alg.mixes_params and self.overlap else None
+        handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap else None
         losses = self.gradients.gradients(active, self._batches(active))
         if alg.mixes_params and not self.overlap:
-            handle = alg.start(X, self.state, self.mixer)
-        alg.update(X, self._G, self.state, k=k, mixer=self.mixer, mixed=handle)
+            handle = alg.start(X, self.state, mixer)
+        alg.update(X, self._G, self.state, k=k, mixer=mixer, mixed=handle)
         self.k += 1
         losses = losses.detach().double().cpu()
         self._loss_sums[active] += losses

@@ -40,7 +40,7 @@ import torch
 
 from ..comm import CommError
 from ..executor.reducer import Reducer
-from ..mixing import MatrixMixer, Mixer
+from ..mixing import MatrixMixer, Mixer, ScheduleMixer, is_schedule
 
 __all__ = ["DistGroup", "Failure", "Group", "LocalGroup", "Terminated", "describe", "join"]
 
@@ -128,7 +128,10 @@ class LocalGroup(Group):
         pass
 
     def mixer(self, W, *, exact: bool) -> Mixer:
-        return MatrixMixer(W, exact=exact, validate=False)  # W comes validated from the plan
+        def make(Wk):
+            return MatrixMixer(Wk, exact=exact, validate=False)  # W comes validated from the plan
+
+        return ScheduleMixer(W, make) if is_schedule(W) else make(W)
 
     def reducer(self, device: torch.device) -> Reducer:
         return Reducer()
@@ -253,7 +256,10 @@ class DistGroup(Group):
     def mixer(self, W, *, exact: bool) -> Mixer:
         from .exchange import BlockMixer
 
-        return BlockMixer(W, self.rank, self.world, timeout=self.timeout, exact=exact, validate=False)
+        def make(Wk):
+            return BlockMixer(Wk, self.rank, self.world, timeout=self.timeout, exact=exact, validate=False)
+
+        return ScheduleMixer(W, make) if is_schedule(W) else make(W)
 
     def reducer(self, device: torch.device) -> Reducer:
         from .exchange import DistReducer
