@@ -7,6 +7,8 @@ import os
 import networkx as nx
 import numpy as np
 
+import topologies
+
 __all__ = ["draw_topology", "plot_run", "plot_sweep"]
 
 
@@ -136,7 +138,8 @@ def plot_sweep(folder, out=None) -> list[str]:
     colour, the next one the line style / marker, and any further keys split
     the figure into panels; a key that varies only together with another
     (a zip group) is shown through that one. Writes accuracy_vs_epoch.png,
-    consensus_vs_epoch.png, accuracy_vs_spectral_gap.png and
+    consensus_vs_epoch.png, accuracy_vs_spectral_gap.png,
+    accuracy_vs_effective_neighbours.png (when results.csv has the column) and
     accuracy_vs_bytes.png.
     """
     from pathlib import Path
@@ -234,8 +237,12 @@ def plot_sweep(folder, out=None) -> list[str]:
 
     for xcol, name, xlabel, logx in (
         ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂", False),
+        ("effective_neighbours", "accuracy_vs_effective_neighbours.png",
+         f"effective number of neighbours n_W(γ = {topologies.EFFECTIVE_DECAY})", False),
         ("bytes_sent_per_agent", "accuracy_vs_bytes.png", "bytes sent per agent (whole run)", True),
     ):
+        if any(r.get(xcol) in (None, "") for r in results):  # e.g. results.csv of an older release
+            continue
         fig, axes = panels()
         for (f, h, st), runs in sorted(groups.items()):
             ax = axes[facets.index(f)]

@@ -61,7 +61,7 @@ from .plan import validate_config
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
 
 #: the fixed columns of results.csv, after the sweep's varying keys
-RESULT_COLUMNS = ["seed", "spectral_gap", "epoch", "step", "train_loss", "test_loss", "test_accuracy",
+RESULT_COLUMNS = ["seed", "spectral_gap", "effective_neighbours", "epoch", "step", "train_loss", "test_loss", "test_accuracy",
                   "test_accuracy_avg_model", "consensus_distance", "bytes_sent_per_agent",
                   "best_test_accuracy", "wall_seconds", "status", "run"]
 

@@ -22,7 +22,7 @@ LAYERS = [
     ["cdsgd.runtime"],
     ["cdsgd.plan", "cdsgd.experiment"],
     ["cdsgd.sweep", "cdsgd.plotting"],
-    ["cdsgd.cli", "cdsgd.__main__"],
+    ["cdsgd.cli", "cdsgd.cli_topo", "cdsgd.__main__"],
 ]
 
 

@@ -122,7 +122,7 @@ seed = [0, 1]
     # plots: the four sweep figures, and a single run's curves
     assert cli.main(["plot", str(out)]) == 0
     for name in ("accuracy_vs_epoch.png", "consensus_vs_epoch.png", "accuracy_vs_spectral_gap.png",
-                 "accuracy_vs_bytes.png"):
+                 "accuracy_vs_effective_neighbours.png", "accuracy_vs_bytes.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000, name
     table = (out / "table.md").read_text().splitlines()

@@ -1,4 +1,5 @@
-"""Spectra of mixing matrices: the spectral gap, and the smallest eigenvalue (D²'s condition).
+"""Spectra of mixing matrices: the spectral gap, the smallest eigenvalue (D²'s condition), and the
+effective number of neighbours (a ranking of topologies beyond the spectral gap).
 
 Dense eigen-solvers below :data:`SPARSE_EIGEN_FROM` nodes; above, ARPACK's
 Lanczos iteration on the sparse matrix (only the eigenvalues that matter).
@@ -12,7 +13,8 @@ import numpy as np
 
 from .mixing import TOL, _is_sparse
 
-__all__ = ["SPARSE_EIGEN_FROM", "SpectralGap", "format_gap", "smallest_eigenvalue", "spectral_gap"]
+__all__ = ["EFFECTIVE_DECAY", "EFFECTIVE_NEIGHBOURS_UP_TO", "SPARSE_EIGEN_FROM", "SpectralGap", "effective_neighbours",
+           "format_gap", "smallest_eigenvalue", "spectral_gap"]
 
 
 class SpectralGap(NamedTuple):
@@ -154,3 +156,68 @@ def smallest_eigenvalue(W) -> float:
             return float(np.linalg.eigvalsh(S.toarray())[0])
     D = S.toarray() if S is not None else np.asarray(W, dtype=np.float64)
     return float(np.linalg.eigvalsh(D)[0])
+
+#: the decay γ at which runs record the effective number of neighbours (summary.json, results.csv)
+EFFECTIVE_DECAY = 0.9
+#: the effective number of neighbours is computed (dense linear algebra) up to this many agents; NaN beyond
+EFFECTIVE_NEIGHBOURS_UP_TO = 2000
+
+
+def effective_neighbours(W, gamma: float = EFFECTIVE_DECAY) -> float:
+    """The effective number of neighbours n_W(γ) of a mixing matrix or a time-varying schedule.
+
+    Vogels, Hendrikx & Jaggi, "Beyond spectral gap: the role of the topology
+    in decentralized learning" (NeurIPS 2022): the spectral gap mis-ranks
+    topologies for learning, because what matters at a step size is how
+    many agents' noise an agent averages over within the memory of the
+    iteration. Model: each agent adds fresh unit noise and gossips,
+    x ← W(√γ·x + ξ); at stationarity agent i's variance is Σ_ii, against
+    1/(1−γ) for an agent that never communicates; then
+
+        n_W(γ) = (1/(1−γ)) / mean_i Σ_ii.
+
+    For symmetric W with eigenvalues λ_j, mean_i Σ_ii = (1/n) Σ_j λ_j²/(1 − γλ_j²);
+    otherwise Σ solves Σ = γ W Σ Wᵀ + W Wᵀ; for a schedule of period T
+    (measured after its last step), Σ = γ^T M Σ Mᵀ + Σ_j γ^(T−1−j) P_j P_jᵀ
+    with P_j = W_(T−1) ⋯ W_j and M = P_0. n_W = 1 for W = I and n for
+    W = 11ᵀ/n at every γ; it grows from n/‖W‖_F² (γ = 0) to n (γ → 1) for a
+    connected graph. γ plays the role of the learning dynamics' memory (small
+    steps: γ near 1); runs record it at :data:`EFFECTIVE_DECAY`. Dense linear
+    algebra: up to :data:`EFFECTIVE_NEIGHBOURS_UP_TO` agents (NaN beyond).
+
+        >>> from topologies import build, mixing_matrix
+        >>> round(effective_neighbours(mixing_matrix(build("ring", 16)), 0.9), 4)
+        6.6011
+        >>> round(effective_neighbours(mixing_matrix(build("complete", 16)), 0.9), 6)
+        16.0
+    """
+    gamma = float(gamma)
+    if not 0.0 <= gamma < 1.0:
+        raise ValueError(f"the decay gamma must be in [0, 1), got {gamma!r}")
+    schedule = hasattr(W, "consensus_rate")
+    n = W.n if schedule else W.shape[0]
+    if n > EFFECTIVE_NEIGHBOURS_UP_TO:
+        return float("nan")
+
+    def dense(A):
+        return A.toarray() if _is_sparse(A) else np.asarray(A, dtype=np.float64)
+
+    from scipy.linalg import solve_discrete_lyapunov
+
+    if schedule:
+        mats = [dense(A) for A in W]
+        Q, P = np.zeros((n, n)), np.eye(n)
+        for j in reversed(range(len(mats))):  # P_j = W_(T−1) ⋯ W_j, built from the last step back
+            P = P @ mats[j]
+            Q += gamma ** (len(mats) - 1 - j) * (P @ P.T)
+        sigma = solve_discrete_lyapunov(np.sqrt(gamma ** len(mats)) * P, Q)
+        mean_var = float(np.trace(sigma)) / n
+    else:
+        D = dense(W)
+        if np.abs(D - D.T).max() <= TOL:
+            lam2 = np.linalg.eigvalsh(D) ** 2
+            mean_var = float(np.mean(lam2 / (1.0 - gamma * lam2)))
+        else:
+            mean_var = float(np.trace(solve_discrete_lyapunov(np.sqrt(gamma) * D, D @ D.T))) / n
+    return (1.0 / (1.0 - gamma)) / mean_var
+

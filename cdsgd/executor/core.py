@@ -57,17 +57,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..algorithms import Algorithm, algorithm_params, make_algorithm
 from ..checks import check_int
-from ..mixing import MatrixMixer, Mixer, ScheduleMixer, is_schedule, is_sparse
 from ..seeding import derive_seed, generator
 from . import evaluation
-from .agents import build_agents
+from .agents import build_agents, make_mixer
 from .gradients import STRATEGIES, make_strategy
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream
@@ -193,30 +191,7 @@ class Executor:
         self.algorithm = algorithm
 
         # --- the mixer
-        if not isinstance(W, Mixer) and len(self.agents) < n:
-            raise ValueError(f"an executor holding agents {self.agents} of {n} needs a Mixer that reaches the "
-                             "others (e.g. cdsgd.runtime.BlockMixer), not a matrix")
-        if isinstance(W, Mixer):
-            self.mixer = W
-        elif W is None:
-            if algorithm.traffic == "neighbours":
-                raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
-            self.mixer = MatrixMixer(None, n_agents=n, exact=exact)
-        elif is_schedule(W):
-            if W.n != n:
-                raise ValueError(f"schedule {W!r} is for {W.n} agents but there are {n} agents (shards)")
-            algorithm.check_mixing(W)
-            self.mixer = ScheduleMixer(W, lambda Wk: MatrixMixer(Wk, exact=exact, validate=False))
-        else:
-            W = W if is_sparse(W) else np.asarray(W, dtype=np.float64)
-            if W.shape != (n, n):
-                raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
-            algorithm.check_mixing(W)
-            self.mixer = MatrixMixer(W, exact=exact)
-        if self.mixer.n_agents != n:
-            raise ValueError(f"mixer is for {self.mixer.n_agents} agents but there are {n} shards")
-        if list(getattr(self.mixer, "agents", range(n))) != self.agents:
-            raise ValueError(f"mixer holds agents {list(self.mixer.agents)} but this executor holds {self.agents}")
+        self.mixer = make_mixer(W, algorithm, n, self.agents, exact=exact)
 
         # --- models and the L×P parameter stack of the L agents held here
         # init="same": every agent's module is built under one seed (identical copies);

@@ -1,0 +1,126 @@
+"""``cdsgd topo``: describe a topology (or a time-varying schedule) and its mixing matrix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Sequence
+
+
+def _parse_params(pairs: Sequence[str]) -> dict:
+    """``--param KEY=VALUE`` pairs, each value read as a config override's is (a TOML value, else the text)."""
+    from .config import parse_override
+
+    params = {}
+    for pair in pairs:
+        try:
+            key, value = parse_override(pair)
+        except ValueError:
+            raise ValueError(f"--param expects KEY=VALUE, got {pair!r}") from None
+        params[key] = value
+    return params
+
+
+# --------------------------------------------------------------------- topo
+
+
+def _add_topo(sub) -> None:
+    import topologies
+
+    p = sub.add_parser(
+        "topo",
+        help="describe a topology and its mixing matrix",
+        description="Build a named topology (or read a graph file), compute its mixing matrix, and print "
+        "n, edge count, degree range, diameter, the second-largest eigenvalue modulus and the spectral gap "
+        "(and the matrix itself for n <= 16). For a time-varying schedule: its period, the rate at which a "
+        "period contracts the distance to the average, each W_k and their product (with --json, or n <= 16).",
+        epilog=f"topologies: {', '.join(topologies.BUILDERS.names())}\n"
+        f"time-varying schedules: {', '.join(topologies.SCHEDULES.names())}\n"
+        f"graph files: {', '.join(topologies.FORMATS)}\n"
+        f"rules: {', '.join(topologies.RULES.names())}\n"
+        "example: cdsgd topo erdos_renyi --n 16 --param p=0.3 --param seed=1 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("topology", metavar="NAME_OR_PATH", help="builder or schedule name, or graph file path")
+    p.add_argument("--n", type=int, default=None, help="number of nodes (required for builder names)")
+    p.add_argument("--rule", default="metropolis", help="weight rule (default: metropolis)")
+    p.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
+                   help="builder parameter, e.g. p=0.3, seed=1, rows=4 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--draw", metavar="FILE.png", default=None, help="save a picture of the graph with its weights")
+    p.set_defaults(func=_cmd_topo)
+
+
+def _format_matrix(W) -> str:
+    return "\n".join("  " + " ".join(f"{x:6.3f}" for x in row) for row in W)
+
+
+def _cmd_topo(args) -> int:
+    import topologies
+
+    params = _parse_params(args.param)
+    if args.topology in topologies.SCHEDULES:
+        return _topo_schedule(args, params)
+    G = topologies.resolve(args.topology, args.n, **params)
+    W = topologies.mixing_matrix(G, args.rule, sparse=G.number_of_nodes() > 16)
+    info = {"topology": str(args.topology), "params": params, "rule": args.rule,
+            **topologies.describe(G, W, matrix=args.json)}
+    if args.draw:
+        from .plotting import draw_topology
+
+        draw_topology(G, W, args.draw, title=f"{args.topology} (n={info['n']}, {args.rule})")
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"topology      {info['topology']}" + (f" {params}" if params else ""))
+    print(f"n             {info['n']}")
+    print(f"edges         {info['edges']}")
+    print(f"degree        {info['degree_min']}..{info['degree_max']}")
+    print(f"diameter      {info['diameter']}")
+    print(f"rule          {info['rule']}")
+    print(f"lambda2       {info['lambda2']:.10g}   (second-largest eigenvalue modulus)")
+    print(f"spectral gap  {topologies.format_gap(info['spectral_gap'], 6)}")
+    print(f"effective neighbours  {info['effective_neighbours']:.4g}   (n_W at decay {topologies.EFFECTIVE_DECAY}; "
+          "Vogels et al. 2022)")
+    if info["n"] <= 16:
+        print("mixing matrix")
+        print(_format_matrix(W))
+    if args.draw:
+        print(f"drawing       {args.draw}")
+    return 0
+
+
+def _topo_schedule(args, params) -> int:
+    """``cdsgd topo`` for a time-varying schedule: period, rate, the matrices and their product."""
+    import topologies
+
+    if args.n is None:
+        raise ValueError(f"schedule {args.topology!r} needs --n")
+    if args.draw:
+        raise ValueError("--draw draws one graph; a schedule has one per step (use --json for its matrices)")
+    s = topologies.schedule(args.topology, args.n, **params)
+    gap = topologies.spectral_gap(s)
+    info = {"topology": args.topology, "params": params, "schedule": True, "n": s.n, "period": len(s),
+            "symmetric": s.symmetric, "consensus_rate": s.consensus_rate(), "lambda2": gap.lambda2,
+            "spectral_gap": gap.gap, "effective_neighbours": topologies.effective_neighbours(s)}
+    if args.json:
+        dense = [W.toarray() if hasattr(W, "toarray") else W for W in s]
+        info["matrices"] = [W.tolist() for W in dense]
+        info["product"] = s.product().tolist()
+        print(json.dumps(info))
+        return 0
+    print(f"schedule        {args.topology}" + (f" {params}" if params else ""))
+    print(f"n               {s.n}")
+    print(f"period          {len(s)} steps (W_k = W_(k mod {len(s)}))")
+    print(f"symmetric       {'yes' if info['symmetric'] else 'no'}")
+    print(f"consensus rate  {info['consensus_rate']:.6g}   (||W_(T-1)...W_0 - 11^T/n||_2 over a period; 0: exact "
+          "average)")
+    print(f"spectral gap    {topologies.format_gap(gap.gap, 6)}   (per-step equivalent: 1 - rate^(1/period))")
+    print(f"effective neighbours  {info['effective_neighbours']:.4g}   (n_W at decay {topologies.EFFECTIVE_DECAY})")
+    if s.n <= 16:
+        for k, W in enumerate(s):
+            print(f"W_{k}")
+            print(_format_matrix(W))
+        print("product over a period")
+        print(_format_matrix(s.product()))
+    return 0
