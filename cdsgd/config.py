@@ -61,7 +61,7 @@ class Config:
     """A run's settings. Defaults: the README's main job (digits, 5 agents, ring, CDMSGD)."""
 
     # --- algorithm and executor
-    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgd | msgd | fedavg | local",
+    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | sgd | msgd | fedavg | local",
                          registry="algorithm", identity=True)
     executor: str = key("sim", "sim: all agents in one process; torch: torchrun ranks, each holding "
                         "n_agents/ranks agents", choices=("sim", "torch"))
@@ -104,7 +104,7 @@ class Config:
     lr_schedule: str = key("constant", "constant | diminishing: α₀ / (1 + k/lr_tau)^lr_power")
     lr_tau: float = key(1000.0, "τ of the diminishing schedule")
     lr_power: float = key(1.0, "p of the diminishing schedule, in (0.5, 1]")
-    momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, dsgt, d2, qg_dsgdm, msgd, local)")
+    momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, dsgt, d2, qg_dsgdm, sgp, msgd, local)")
     nesterov: bool = key(True, "Nesterov form (the paper's) or heavy ball")
     weight_decay: float = key(0.0, "L2 coefficient λ")
     local_steps: int = key(0, "fedavg: local steps per round (0: use local_epochs)", low=0,

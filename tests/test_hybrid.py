@@ -119,6 +119,7 @@ def _run_pair(tmp_path, n, procs, extra):
     (8, 2, "ring", "d2", ["mixing=lazy_metropolis"]),
     (8, 2, "ring", "qg_dsgdm", []),
     (8, 2, "one_peer_exponential", "cdmsgd", []),  # time-varying: each step exchanges with that step's peers
+    (8, 2, "directed_ring", "sgp", ["mixing=push_sum"]),  # push-sum: sends and receives differ
 ])
 def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, topology, alg, extra):
     sim, tor = _run_pair(tmp_path, n, procs, [f"algorithm={alg}", "exact=true", f"topology={topology}", *extra])
@@ -137,9 +138,12 @@ def test_hybrid_exact_mode_bit_identical_to_the_simulator(tmp_path, n, procs, to
         s = topologies.schedule(topology, n)
         rows = sum(_cut_rows(np.asarray(s[k]), procs) for k in range(steps))
     else:
-        rows = {"ring": 2 * 2, "torus": 4 * 8}[topology] * steps
-    rows *= make_algorithm(alg, lr=0.1).vectors_per_step
-    assert s_tor["bytes_across_processes"] == rows * s_tor["n_parameters"] * 4
+        mixing = next((a.split("=")[1] for a in extra if a.startswith("mixing=")), "metropolis")
+        rows = _cut_rows(topologies.mixing_matrix(topologies.build(topology, n), mixing), procs) * steps
+        assert topology != "ring" or rows == 2 * 2 * steps
+        assert topology != "torus" or rows == 4 * 8 * steps
+    per_row = s_tor["n_parameters"] * make_algorithm(alg, lr=0.1).vectors_per_step + (alg == "sgp")  # + w_j
+    assert s_tor["bytes_across_processes"] == rows * per_row * 4
 
 
 def _cut_rows(W: np.ndarray, procs: int) -> int:

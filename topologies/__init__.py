@@ -23,7 +23,7 @@ import networkx as nx
 
 from .builders import BUILDERS, build, builder_params
 from .io import FORMATS, load
-from .mixing import RULES, TOL, mixing_matrix, validate
+from .mixing import COLUMN_RULES, RULES, TOL, mixing_matrix, validate
 from .spectral import (EFFECTIVE_DECAY, SPARSE_EIGEN_FROM, SpectralGap, effective_neighbours, format_gap,
                        smallest_eigenvalue, spectral_gap)
 from .registry import Registry, unknown_name_error
@@ -31,6 +31,7 @@ from .schedules import SCHEDULES, Schedule, schedule, schedule_params
 
 __all__ = [
     "BUILDERS",
+    "COLUMN_RULES",
     "EFFECTIVE_DECAY",
     "FORMATS",
     "RULES",

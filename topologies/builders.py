@@ -1,8 +1,9 @@
 """Named graph builders: ``build(name, n, **params) -> networkx.Graph``.
 
 Every builder returns a simple, undirected, connected graph on the nodes
-``0 .. n-1``. Randomised builders take a ``seed`` and are deterministic
-under it.
+``0 .. n-1``, except the ``directed_*`` ones: strongly connected directed
+graphs, for push-sum (``mixing=push_sum``, ``algorithm=sgp``). Randomised
+builders take a ``seed`` and are deterministic under it.
 
 ==================  ==========================================  ==================
 name                graph                                       parameters
@@ -18,6 +19,8 @@ name                graph                                       parameters
 ``erdos_renyi``     G(n, p), redrawn until connected            p, seed, max_tries
 ``small_world``     Watts-Strogatz, redrawn until connected     k, p, seed, max_tries
 ``random_regular``  random d-regular, redrawn until connected   d, seed, max_tries
+``directed_ring``   i → i+1 (mod n); one in, one out            --
+``directed_exponential``  i → i+2^k (mod n) for 2^k < n         --
 ==================  ==========================================  ==================
 
 Grid-shaped graphs number node (r, c) as ``r * cols + c`` (row-major) and
@@ -192,6 +195,27 @@ def exponential(n: int) -> nx.Graph:
     step = 1
     while step < n:
         G.add_edges_from((i, (i + step) % n) for i in range(n) if (i + step) % n != i)
+        step *= 2
+    return G
+
+
+@BUILDERS.register("directed_ring")
+def directed_ring(n: int) -> nx.DiGraph:
+    """i → (i + 1) mod n: every agent sends to one and receives from one (directed)."""
+    G = nx.DiGraph()
+    G.add_nodes_from(range(n))
+    G.add_edges_from((i, (i + 1) % n) for i in range(n))
+    return G
+
+
+@BUILDERS.register("directed_exponential")
+def directed_exponential(n: int) -> nx.DiGraph:
+    """i → (i + 2^k) mod n for every 2^k < n (Assran et al. 2019's directed exponential graph)."""
+    G = nx.DiGraph()
+    G.add_nodes_from(range(n))
+    step = 1
+    while step < n:
+        G.add_edges_from((i, (i + step) % n) for i in range(n))
         step *= 2
     return G
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from .registry import Registry
 
-__all__ = ["mixing_matrix", "validate", "RULES", "TOL"]
+__all__ = ["mixing_matrix", "validate", "RULES", "COLUMN_RULES", "TOL"]
 
 #: Absolute tolerance on row/column sums and on symmetry.
 TOL = 1e-8
@@ -58,9 +58,10 @@ TOL = 1e-8
 RULES: Registry[Callable[[nx.Graph], np.ndarray]] = Registry("mixing rule")
 
 
-def _check_graph(G: nx.Graph) -> int:
-    if G.is_directed():
-        raise ValueError("graph is directed; cdsgd needs an undirected graph (symmetric mixing)")
+def _check_graph(G: nx.Graph, *, directed_ok: bool = False) -> int:
+    if G.is_directed() and not directed_ok:
+        raise ValueError("graph is directed; cdsgd needs an undirected graph (symmetric mixing), or "
+                         "mixing=push_sum with algorithm=sgp for a directed one")
     n = G.number_of_nodes()
     if n == 0:
         raise ValueError("graph has no nodes")
@@ -150,6 +151,29 @@ def uniform(G: nx.Graph):
     return _symmetric(n, i, j, 1.0 / (d[i] + 1.0), 1.0 / (d[j] + 1.0))
 
 
+#: rules whose matrices are column-stochastic only (for push-sum, ``algorithm=sgp``), directed graphs allowed
+COLUMN_RULES = ("push_sum",)
+
+
+@RULES.register("push_sum")
+@_rule
+def push_sum(G: nx.Graph):
+    """P[j, i] = 1/(1 + out-degree of i) for each edge i → j and for j = i: every agent splits its value
+    evenly between itself and the agents it sends to. Columns sum to 1 (rows need not): push-sum's
+    weights, for directed graphs (an undirected edge counts both ways)."""
+    import scipy.sparse as sp
+
+    n = G.number_of_nodes()
+    e = np.array([(a, b) for a, b in G.edges()] + ([(b, a) for a, b in G.edges()] if not G.is_directed() else []),
+                 dtype=np.int64).reshape(-1, 2)
+    src, dst = e[:, 0], e[:, 1]
+    out = np.bincount(src, minlength=n).astype(np.float64)
+    share = 1.0 / (1.0 + out)
+    rows = np.concatenate([dst, np.arange(n)])
+    cols = np.concatenate([src, np.arange(n)])
+    return sp.csr_array((share[cols], (rows, cols)), shape=(n, n))
+
+
 @RULES.register("weight")
 @_rule
 def weight(G: nx.Graph):
@@ -196,9 +220,12 @@ def mixing_matrix(G: nx.Graph, rule: str = "metropolis", *, sparse: bool = False
         ((1000, 1000), 3000)
     """
     fn = RULES.get(rule)
-    _check_graph(G)
+    _check_graph(G, directed_ok=rule in COLUMN_RULES)
     W = fn(G, sparse=True)
-    validate(W, G)
+    if rule in COLUMN_RULES:  # column-stochastic only (push-sum): neither symmetric nor row-stochastic
+        validate(W, G, symmetric=False, row_sums=False)
+    else:
+        validate(W, G)
     return W if sparse else W.toarray()
 
 
@@ -210,7 +237,8 @@ def _is_sparse(W) -> bool:
     return hasattr(W, "tocsr") and hasattr(W, "nnz")
 
 
-def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool = True, connected: bool = True):
+def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool = True, connected: bool = True,
+             row_sums: bool = True):
     """Check that ``W`` is a valid mixing matrix (for ``G`` when given).
 
     Checks, in order: square 2-D, finite, non-negative, symmetric
@@ -220,7 +248,10 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
     ``symmetric=False`` and ``connected=False`` leave those two checks out:
     one step of a time-varying schedule (:mod:`topologies.schedules`) is
     doubly stochastic but may be neither; the schedule checks connectivity
-    over its period.
+    over its period. ``row_sums=False`` (with ``symmetric=False``) accepts a
+    column-stochastic push-sum matrix; it must then be strongly connected
+    (every agent's value reaches every other along W's directed edges, l → j
+    for W[j, l] > 0), and an edge of a directed ``G`` must run l → j.
 
     Returns ``W`` as a float64 array, or, for a ``scipy.sparse`` matrix, as a
     float64 CSR array (checked in O(n + non-zeros)). Raises ValueError naming
@@ -277,7 +308,7 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
         raise ValueError(
             f"mixing matrix is not symmetric: W[{i}, {j}] = {_fmt(S[i, j])} but W[{j}, {i}] = {_fmt(S[j, i])}"
         )
-    for axis, what in ((1, "row"), (0, "column")):
+    for axis, what in ((1, "row"), (0, "column"))[0 if row_sums else 1:]:
         sums = dense.sum(axis=axis) if dense is not None else np.asarray(S.sum(axis=axis)).ravel()
         bad = np.flatnonzero(np.abs(sums - 1.0) > tol)
         if len(bad):
@@ -288,22 +319,23 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
         if G.number_of_nodes() != n:
             raise ValueError(f"mixing matrix is {n}x{n} but the graph has {G.number_of_nodes()} nodes")
         for i, j, v in zip(rows[off], cols[off], vals[off]):
-            if not G.has_edge(int(i), int(j)):
+            if not (G.has_edge(int(j), int(i)) if G.is_directed() else G.has_edge(int(i), int(j))):
                 raise ValueError(
                     f"mixing matrix entry W[{i}, {j}] = {_fmt(v)} but nodes {i} and {j} are not linked in the graph"
                 )
     if connected:
-        _check_connected(n, rows[off], cols[off])
+        _check_connected(n, rows[off], cols[off], directed=not row_sums)
     return S if dense is None else dense
 
 
-def _check_connected(n: int, rows: np.ndarray, cols: np.ndarray) -> None:
-    """Refuse a support graph (edges rows[k]–cols[k]) with more than one component, naming a few."""
+def _check_connected(n: int, rows: np.ndarray, cols: np.ndarray, directed: bool = False) -> None:
+    """Refuse a support graph (edges rows[k]–cols[k]) with more than one component (strongly connected
+    ones when ``directed``), naming a few."""
     import scipy.sparse as sp
     from scipy.sparse.csgraph import connected_components
 
     A = sp.csr_array((np.ones(len(rows)), (rows, cols)), shape=(n, n))
-    count, label = connected_components(A, directed=False)
+    count, label = connected_components(A, directed=directed, connection="strong")
     if count > 1:
         comps: dict[int, list[int]] = {}
         for node, c in enumerate(label.tolist()):
@@ -311,5 +343,6 @@ def _check_connected(n: int, rows: np.ndarray, cols: np.ndarray) -> None:
         ordered = sorted(comps.values(), key=lambda c: c[0])
         shown = "; ".join(str(c if len(c) <= 8 else c[:8] + ["..."]) for c in ordered[:3])
         raise ValueError(
-            f"graph is not connected: {count} components ({shown}); agents could never reach consensus"
+            f"graph is not {'strongly ' if directed else ''}connected: {count} components ({shown}); "
+            "agents could never reach consensus"
         )

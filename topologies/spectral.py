@@ -62,6 +62,10 @@ def spectral_gap(W) -> SpectralGap:
     only when Gershgorin's bound λₙ >= min_i (2·W_ii − 1) cannot rule out
     |λₙ| > λ₂.
 
+    For a column-stochastic push-sum matrix (not symmetric), ``lambda2`` is
+    its second-largest eigenvalue modulus (the rate at which push-sum's
+    de-biased values agree), from ``numpy.linalg.eigvals`` or ARPACK's
+    ``eigs``; a non-symmetric matrix whose columns do not sum to 1 is refused.
     For a time-varying :class:`~topologies.schedules.Schedule` of period T,
     ``lambda2`` is the per-step equivalent of its period's rate,
     ``consensus_rate() ** (1/T)``, and ``gap = 1 − lambda2``.
@@ -83,7 +87,7 @@ def spectral_gap(W) -> SpectralGap:
         if S.ndim != 2 or S.shape[0] != S.shape[1]:
             raise ValueError(f"spectral_gap needs a square matrix, got shape {S.shape}")
         if n and abs(S - S.T).max() > TOL:
-            raise ValueError("spectral_gap needs a symmetric matrix; check it with topologies.validate first")
+            return _push_sum_gap(S)
         if n < SPARSE_EIGEN_FROM:
             return _dense_gap(S.toarray())
         return _sparse_gap(S)
@@ -91,12 +95,36 @@ def spectral_gap(W) -> SpectralGap:
     if W.ndim != 2 or W.shape[0] != W.shape[1]:
         raise ValueError(f"spectral_gap needs a square matrix, got shape {W.shape}")
     if not np.allclose(W, W.T, atol=TOL, rtol=0):
-        raise ValueError("spectral_gap needs a symmetric matrix; check it with topologies.validate first")
+        return _push_sum_gap(W)
     if W.shape[0] >= SPARSE_EIGEN_FROM and np.count_nonzero(W) < 0.1 * W.size:
         import scipy.sparse as sp
 
         return _sparse_gap(sp.csr_array(W))
     return _dense_gap(W)
+
+
+def _push_sum_gap(W) -> SpectralGap:
+    """1 − |λ₂| of a column-stochastic (push-sum) matrix."""
+    sparse = _is_sparse(W)
+    n = W.shape[0]
+    cols = np.asarray(W.sum(axis=0)).ravel()
+    if np.abs(cols - 1.0).max() > TOL:
+        raise ValueError("spectral_gap needs a symmetric or a column-stochastic (push-sum) matrix; "
+                         "check it with topologies.validate first")
+    moduli = None
+    if sparse and n >= SPARSE_EIGEN_FROM:
+        from scipy.sparse.linalg import ArpackNoConvergence, eigs
+
+        try:
+            moduli = np.sort(np.abs(eigs(W.astype(np.float64), k=2, which="LM", return_eigenvectors=False,
+                                          tol=1e-10, maxiter=5000)))[::-1]
+        except (ArpackNoConvergence, RuntimeError):
+            moduli = None
+    if moduli is None:
+        D = W.toarray() if sparse else np.asarray(W, dtype=np.float64)
+        moduli = np.sort(np.abs(np.linalg.eigvals(D)))[::-1]
+    lambda2 = float(moduli[1]) if n > 1 else 0.0
+    return SpectralGap(1.0 - lambda2, lambda2)
 
 
 def _dense_gap(W: np.ndarray) -> SpectralGap:

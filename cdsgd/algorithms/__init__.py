@@ -5,12 +5,14 @@ call on the stacked parameters; :class:`CDSGD`/:class:`CDMSGD` are the
 same arithmetic as ``torch.optim`` optimizers for one agent in a user's own
 loop. The maths of every rule is in :mod:`cdsgd.algorithms.rules` (CDSGD, CDMSGD
 and the baselines) and :mod:`cdsgd.algorithms.heterogeneous` (gradient
-tracking, D², quasi-global momentum).
+tracking, D², quasi-global momentum) and :mod:`cdsgd.algorithms.pushsum`
+(Stochastic Gradient Push on directed graphs).
 """
 
 from ..checks import check_int, check_lr, check_momentum, check_weight_decay  # noqa: F401 - old import path
 from .heterogeneous import D2Algorithm, DSGTAlgorithm, QGDSGDmAlgorithm
 from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
+from .pushsum import SGPAlgorithm
 from .rules import (
     ALGORITHMS,
     Algorithm,
@@ -31,6 +33,7 @@ __all__ = [
     "DSGTAlgorithm",
     "DecentralizedOptimizer",
     "QGDSGDmAlgorithm",
+    "SGPAlgorithm",
     "StepSize",
     "algorithm_params",
     "cdsgd_update",

@@ -69,6 +69,7 @@ the sum is 2; gradient tracking gets there, and so do its agents)::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import topologies
@@ -131,6 +132,10 @@ class D2Algorithm(_LocalMomentum, Algorithm):
         if isinstance(W, topologies.Schedule):
             raise ValueError(f"algorithm 'd2' needs one fixed symmetric mixing matrix, not a time-varying "
                              f"schedule ({W.name}); use dsgt, cdsgd or cdmsgd with it")
+        super().check_mixing(W)
+        S = W if hasattr(W, "nnz") else np.asarray(W, dtype=np.float64)
+        if abs(S - S.T).max() > topologies.TOL:
+            raise ValueError("algorithm 'd2' needs a symmetric mixing matrix (an undirected graph)")
         lam = topologies.smallest_eigenvalue(W)
         if not lam > D2_MIN_EIGENVALUE + 1e-12:
             raise ValueError(

@@ -52,9 +52,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from topologies import Registry
+from topologies import TOL, Registry
 
 from ..checks import check_int, check_lr, check_momentum, check_number, check_weight_decay
 from ..mixing import Handle, Mixer
@@ -195,6 +196,8 @@ class Algorithm:
     same_init: ClassVar[bool] = False
     #: P-vectors each agent sends each neighbour per step (all-reduce rules: per all-reduce)
     vectors_per_step: ClassVar[int] = 1
+    #: the rule takes a column-stochastic (push-sum) mixing matrix instead of a doubly stochastic one (sgp)
+    column_stochastic: ClassVar[bool] = False
 
     def __init__(self, *, lr: float, lr_schedule: str = "constant", lr_tau: float = 1000.0,
                  lr_power: float = 1.0, weight_decay: float = 0.0) -> None:
@@ -214,7 +217,20 @@ class Algorithm:
         return None
 
     def check_mixing(self, W) -> None:
-        """Refuse a mixing matrix the rule cannot converge with (ValueError naming why); default: any."""
+        """Refuse a mixing matrix the rule cannot converge with (ValueError naming why).
+
+        Default: a neighbour rule needs every row to sum to 1 (a doubly
+        stochastic W); a push-sum matrix (``mixing=push_sum``, columns only)
+        is for ``sgp``.
+        """
+        if self.traffic != "neighbours" or W is None or hasattr(W, "consensus_rate"):
+            return
+        sums = np.asarray((W if hasattr(W, "nnz") else np.asarray(W, dtype=np.float64)).sum(axis=1)).ravel()
+        bad = np.flatnonzero(np.abs(sums - 1.0) > TOL)
+        if len(bad):
+            raise ValueError(f"algorithm {self.name!r} needs a doubly stochastic mixing matrix, but row {bad[0]} "
+                             f"sums to {sums[bad[0]]:.6g}; a push-sum matrix (mixing=push_sum, columns summing "
+                             "to 1) is for algorithm=sgp")
 
     def start(self, X: torch.Tensor, state: dict, mixer: Mixer):
         """Post the exchanges of step k that need nothing but the pre-gradient state (``mixes_params``)."""

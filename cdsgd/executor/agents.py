@@ -129,7 +129,7 @@ def make_mixer(W, algorithm, n: int, agents: list[int], *, exact: bool) -> Mixer
         if W.shape != (n, n):
             raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
         algorithm.check_mixing(W)
-        mixer = MatrixMixer(W, exact=exact)
+        mixer = MatrixMixer(W, exact=exact, validate=not algorithm.column_stochastic)  # sgp validated its own
     if mixer.n_agents != n:
         raise ValueError(f"mixer is for {mixer.n_agents} agents but there are {n} shards")
     if list(getattr(mixer, "agents", range(n))) != agents:
