@@ -117,6 +117,9 @@ def validate_config(cfg: Config) -> Plan:
     check_model_options(cfg.model, cfg.model_params)
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
     if cfg.topology in topologies.SCHEDULES:  # time-varying: W_k of the schedule at step k (its own weights)
+        if cfg.mixing != key_info("mixing")["default"]:
+            raise ValueError(f"topology {cfg.topology!r} is a time-varying schedule with its own weights; "
+                             f"mixing={cfg.mixing!r} does not apply to it (leave mixing unset)")
         W = topologies.schedule(cfg.topology, cfg.n_agents, **cfg.topology_params)
         G = W.union_graph()
     else:

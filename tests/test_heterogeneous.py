@@ -152,7 +152,7 @@ def test_bytes_count_the_vectors_each_step_sends(name, vectors):
     assert sim.mixer.bytes_sent.tolist() == [vectors * 2 * sim.layout.numel * 4 * 5] * 4  # ring: degree 2
 
 
-@pytest.mark.parametrize("name", ["dsgt", "d2", "qg_dsgdm"])
+@pytest.mark.parametrize("name", ["dsgt", "d2", "qg_dsgdm", "sgp"])
 def test_resume_from_state_dict_continues_bit_for_bit(name):
     Wr = topologies.mixing_matrix(topologies.build("ring", 4), "lazy_metropolis")
 

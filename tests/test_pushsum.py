@@ -123,3 +123,47 @@ def test_other_rules_refuse_a_column_only_stochastic_matrix():
     with pytest.raises(ValueError, match="'d2' needs a symmetric mixing matrix"):
         make_algorithm("d2", lr=0.1).check_mixing(ring)
     make_algorithm("cdsgd", lr=0.1).check_mixing(ring)  # doubly stochastic, not symmetric: fine for D-PSGD
+
+
+def test_push_sum_with_zero_gradients_reaches_the_exact_average():
+    """Numerators and weights mix with the same column-stochastic P: z_j → (1/N) Σ_l z_l(0), to float64."""
+    alg = make_algorithm("sgp", lr=0.1, momentum=0.0)
+    Z0 = RNG.normal(size=(N, P_DIM))
+    X = torch.tensor(Z0)
+    mixer, state = MatrixMixer(PUSH, validate=False), alg.init_state(X)
+    for k in range(300):
+        alg.update(X, torch.zeros_like(X), state, k=k, mixer=mixer)
+    np.testing.assert_allclose(X.numpy(), np.broadcast_to(Z0.mean(axis=0), X.shape), rtol=0, atol=1e-12)
+
+
+def test_sgp_refuses_a_matrix_that_is_not_column_stochastic():
+    rows_only = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])  # rows sum to 1, columns do not
+    with pytest.raises(ValueError, match=r"mixing matrix column 0 sums to 1\.5, not 1"):
+        make_algorithm("sgp", lr=0.1).check_mixing(rows_only)
+    with pytest.raises(ValueError, match="'sgp' takes one mixing matrix.*not a time-varying schedule"):
+        make_algorithm("sgp", lr=0.1).check_mixing(topologies.schedule("one_peer_exponential", 4))
+
+
+def test_sgp_counts_a_vector_and_its_weight_per_out_neighbour():
+    from torch import nn
+
+    from cdsgd.simulator import Simulator
+
+    g = torch.Generator().manual_seed(0)
+    shards = [(torch.randn(12, 4, generator=g), torch.randint(0, 2, (12,), generator=g)) for _ in range(N)]
+    sim = Simulator(lambda: nn.Linear(4, 2), shards, PUSH, "sgp", lr=0.05, batch_size=4, momentum=0.5)
+    sim.run(steps=3)
+    out_degree = np.array([d for _, d in sorted(irregular_digraph().out_degree())])
+    # row j of P has j's in-neighbours: MatrixMixer counts what agent j receives per row, i.e. its in-degree
+    in_degree = (PUSH != 0).sum(axis=1) - 1
+    assert sim.mixer.bytes_sent.tolist() == (in_degree * (sim.layout.numel + 1) * 4 * 3).tolist()
+    assert out_degree.sum() == in_degree.sum()
+
+
+def test_schedules_take_no_mixing_rule(tmp_path, capsys):
+    from cdsgd import cli
+
+    out = tmp_path / "never"
+    assert cli.main(["run", "topology=one_peer_exponential", "n_agents=4", "mixing=lazy_metropolis",
+                     f"out={out}"]) == 2
+    assert "mixing='lazy_metropolis' does not apply to it" in capsys.readouterr().err and not out.exists()

@@ -29,8 +29,21 @@ BUILDER_CASES = [
 ]
 
 
+#: directed builders (for push-sum): (name, n, out-degree of every node)
+DIRECTED_CASES = [("directed_ring", 7, 1), ("directed_exponential", 8, 3), ("directed_exponential", 6, 3)]
+
+
 def test_every_builder_is_covered():
-    assert {c[0] for c in BUILDER_CASES} == set(topologies.BUILDERS.names())
+    assert {c[0] for c in BUILDER_CASES + DIRECTED_CASES} == set(topologies.BUILDERS.names())
+
+
+@pytest.mark.parametrize("name,n,out_degree", DIRECTED_CASES)
+def test_directed_builders(name, n, out_degree):
+    G = build(name, n)
+    assert G.is_directed() and sorted(G.nodes) == list(range(n)) and nx.is_strongly_connected(G)
+    assert {d for _, d in G.out_degree()} == {out_degree} and nx.number_of_selfloops(G) == 0
+    steps = [1] if name == "directed_ring" else [2 ** k for k in range(math.ceil(math.log2(n)))]
+    assert sorted(G.edges()) == sorted({(i, (i + s) % n) for i in range(n) for s in steps})
 
 
 @pytest.mark.parametrize("name,n,params,degrees", BUILDER_CASES)
@@ -252,7 +265,8 @@ BAD = [
     (lambda t: validate([[0.5, 0.4], [0.4, 0.5]]), ValueError, r"row 0 sums to 0.9, not 1 \(tolerance 1e-08\)"),
     (lambda t: validate(mixing_matrix(build("complete", 4)), build("ring", 4)), ValueError, r"W\[0, 2\] = 0.25 but nodes 0 and 2 are not linked"),
     (lambda t: validate(np.eye(3)), ValueError, r"graph is not connected: 3 components"),
-    (lambda t: spectral_gap(_nonsym()), ValueError, r"needs a symmetric matrix"),
+    (lambda t: spectral_gap(np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])), ValueError,
+     r"needs a symmetric or a column-stochastic \(push-sum\) matrix"),
     (lambda t: load(t / "missing.edgelist"), FileNotFoundError, r"missing.edgelist' does not exist"),
     (lambda t: load(_write(t, "g.json", "{}")), ValueError, r"unknown graph file extension '.json'; allowed: .edgelist, .txt"),
     (lambda t: load(_write(t, "e.edgelist", "# nothing\n")), ValueError, r"graph is empty \(no nodes\)"),
