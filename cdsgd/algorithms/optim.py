@@ -35,6 +35,14 @@ __all__ = ["CDMSGD", "CDSGD", "DecentralizedOptimizer"]
 
 
 
+def _closure_loss(closure: Callable[[], torch.Tensor] | None):
+    """torch.optim's convention: ``step(closure)`` re-evaluates the loss (with gradients on) and returns it."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class _ConsensusOptimizer(torch.optim.Optimizer):
     """Shared machinery of :class:`CDSGD` and :class:`CDMSGD`.
 
@@ -72,10 +80,7 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         if self._handle is None:
             self.post()
         mixed_flat, self._handle = self._handle.wait(), None
@@ -205,10 +210,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         params = self._params()
         if self._handle is None:
             self.post()

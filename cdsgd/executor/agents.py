@@ -128,8 +128,8 @@ def make_mixer(W, algorithm, n: int, agents: list[int], *, exact: bool) -> Mixer
         W = W if is_sparse(W) else np.asarray(W, dtype=np.float64)
         if W.shape != (n, n):
             raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
-        algorithm.check_mixing(W)
-        mixer = MatrixMixer(W, exact=exact, validate=not algorithm.column_stochastic)  # sgp validated its own
+        mixer = MatrixMixer(W, exact=exact, validate=not algorithm.column_stochastic)  # validate's own messages first
+        algorithm.check_mixing(W)  # then the rule's (sgp validates its column-stochastic P here)
     if mixer.n_agents != n:
         raise ValueError(f"mixer is for {mixer.n_agents} agents but there are {n} shards")
     if list(getattr(mixer, "agents", range(n))) != agents:
