@@ -131,6 +131,8 @@ class Mixer(abc.ABC):
     n_agents: int
     #: bytes each agent represented here has sent so far (float64 tensor, one entry per row)
     bytes_sent: torch.Tensor
+    #: bytes this process has sent to other processes (0 for a mixer that keeps every agent in-process)
+    bytes_across: float = 0.0
     #: the agents (global indices) whose rows the stacks handed to this mixer hold
     agents: list[int]
 
@@ -403,13 +405,12 @@ class ScheduleMixer(Mixer):
     @property
     def bytes_across(self) -> float:
         """What this process sent to other processes, over every step of the period."""
-        return float(sum(getattr(m, "bytes_across", 0.0) for m in self._phases.values()))
+        return float(sum(m.bytes_across for m in self._phases.values()))
 
     @bytes_across.setter
     def bytes_across(self, value: float) -> None:
         for k, m in self._phases.items():
-            if hasattr(m, "bytes_across"):
-                m.bytes_across = float(value) if k == 0 else 0.0
+            m.bytes_across = float(value) if k == 0 else 0.0
 
     def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
         raise ValueError(f"a time-varying schedule ({self.schedule!r}) mixes with W_k: call mixer.at(k).start(X)")

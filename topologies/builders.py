@@ -95,6 +95,19 @@ def _connected_draw(name: str, draw: Callable[[int | None], nx.Graph], seed, max
     )
 
 
+def _powers_of_two_below(n: int) -> list[int]:
+    """1, 2, 4, ... up to the largest power of two below n."""
+    return [1 << k for k in range((n - 1).bit_length())]
+
+
+def _circulant(n: int, offsets: list[int], *, directed: bool = False) -> nx.Graph:
+    """Nodes 0..n-1 with i → (i + s) mod n for every offset s (one undirected edge per pair unless directed)."""
+    G = nx.DiGraph() if directed else nx.Graph()
+    G.add_nodes_from(range(n))
+    G.add_edges_from((i, (i + s) % n) for s in offsets for i in range(n) if (i + s) % n != i)
+    return G
+
+
 def _factor_pairs(n: int, min_side: int) -> list[tuple[int, int]]:
     return [(r, n // r) for r in range(min_side, n // min_side + 1) if n % r == 0 and n // r >= min_side]
 
@@ -190,34 +203,19 @@ def hypercube(n: int) -> nx.Graph:
 @BUILDERS.register("exponential")
 def exponential(n: int) -> nx.Graph:
     """i ~ (i ± 2^k) mod n for every 2^k < n (the undirected exponential graph)."""
-    G = nx.Graph()
-    G.add_nodes_from(range(n))
-    step = 1
-    while step < n:
-        G.add_edges_from((i, (i + step) % n) for i in range(n) if (i + step) % n != i)
-        step *= 2
-    return G
+    return _circulant(n, _powers_of_two_below(n))
 
 
 @BUILDERS.register("directed_ring")
 def directed_ring(n: int) -> nx.DiGraph:
     """i → (i + 1) mod n: every agent sends to one and receives from one (directed)."""
-    G = nx.DiGraph()
-    G.add_nodes_from(range(n))
-    G.add_edges_from((i, (i + 1) % n) for i in range(n))
-    return G
+    return _circulant(n, [1], directed=True)
 
 
 @BUILDERS.register("directed_exponential")
 def directed_exponential(n: int) -> nx.DiGraph:
     """i → (i + 2^k) mod n for every 2^k < n (Assran et al. 2019's directed exponential graph)."""
-    G = nx.DiGraph()
-    G.add_nodes_from(range(n))
-    step = 1
-    while step < n:
-        G.add_edges_from((i, (i + step) % n) for i in range(n))
-        step *= 2
-    return G
+    return _circulant(n, _powers_of_two_below(n), directed=True)
 
 
 @BUILDERS.register("erdos_renyi")

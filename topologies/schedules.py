@@ -35,13 +35,14 @@ of a schedule is its per-step equivalent, 1 − rate^(1/T).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import numpy as np
 
 from .mixing import _check_connected, validate
+from .builders import _powers_of_two_below
 from .registry import Registry
+from .spectral import SPARSE_EIGEN_FROM
 
 __all__ = ["SCHEDULES", "Schedule", "schedule", "schedule_params"]
 
@@ -64,6 +65,7 @@ class Schedule:
         self.name, self.n, self.period, self.params = name, int(n), int(period), dict(params)
         self._step = step
         self._mats: dict[int, Any] = {}
+        self._rate: float | None = None
         self.sparse = self.n > DENSE_UP_TO
         edges = [self._entries(k) for k in range(self.period)]
         rows = np.concatenate([r[c != r] for r, c, _ in edges] or [np.zeros(0, int)])
@@ -126,11 +128,20 @@ class Schedule:
         return self.apply(np.eye(self.n))
 
     def consensus_rate(self) -> float:
-        """‖M − 11ᵀ/n‖₂: the factor by which one period shrinks the worst distance to the average."""
+        """‖M − 11ᵀ/n‖₂: the factor by which one period shrinks the worst distance to the average.
+
+        Computed once (a schedule does not change): dense below
+        :data:`~topologies.spectral.SPARSE_EIGEN_FROM` agents, a matrix-free SVD from there on.
+        """
+        if self._rate is None:
+            self._rate = self._consensus_rate()
+        return self._rate
+
+    def _consensus_rate(self) -> float:
         n = self.n
         if n == 1:
             return 0.0
-        if n <= 500:
+        if n < SPARSE_EIGEN_FROM:
             return float(np.linalg.norm(self.product() - 1.0 / n, 2))
         from scipy.sparse.linalg import LinearOperator, svds
 
@@ -189,13 +200,13 @@ def _pairs(n: int, i: np.ndarray, j: np.ndarray) -> tuple:
 @SCHEDULES.register("one_peer_exponential")
 def one_peer_exponential(n: int):
     """Agent i averages with (i + 2^(k mod τ)) mod n, τ = ⌈log₂ n⌉; period τ."""
-    tau = max(1, math.ceil(math.log2(n)))
+    offsets = _powers_of_two_below(n)  # the directed exponential graph's, one per step
     agents = np.arange(n)
 
     def step(k: int):
-        return _pairs(n, agents, (agents + 2 ** (k % tau)) % n)
+        return _pairs(n, agents, (agents + offsets[k % len(offsets)]) % n)
 
-    return tau, step
+    return len(offsets), step
 
 
 @SCHEDULES.register("random_matching")

@@ -353,7 +353,7 @@ class Executor:
             "augment": [g.get_state() for g in self._augment_gens] if self._augment_gens else [],
             "rng": [s.cpu() for s in self.rng.state_dict()],
             "bytes_sent": self.mixer.bytes_sent.clone(),
-            "bytes_across": float(getattr(self.mixer, "bytes_across", 0.0)),
+            "bytes_across": float(self.mixer.bytes_across),
             "eval_bytes": float(self.reducer.bytes),
         }
 
@@ -380,8 +380,7 @@ class Executor:
             g.set_state(s)
         self.rng.load_state_dict([s.to(self.rng.states[0].device) for s in state["rng"]])
         self.mixer.bytes_sent.copy_(state["bytes_sent"])
-        if hasattr(self.mixer, "bytes_across"):
-            self.mixer.bytes_across = float(state["bytes_across"])
+        self.mixer.bytes_across = float(state["bytes_across"])
         self.reducer.bytes = float(state["eval_bytes"])
         self.k = int(state["k"])
         self._loss_sums.copy_(state["loss_sums"])

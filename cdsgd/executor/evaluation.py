@@ -154,7 +154,7 @@ def evaluate(ex) -> dict:
     xbar = average_params(ex)
     per[:, 2] = _distances(ex, xbar)
     per[:, 3] = ex.mixer.bytes_sent.cpu()
-    per[0, 4] = float(getattr(ex.mixer, "bytes_across", 0.0))
+    per[0, 4] = ex.mixer.bytes_across
     if ex.test_set is not None:
         for m in ex.models:
             m.eval()

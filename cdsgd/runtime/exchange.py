@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import topologies
 
-from ..comm import exchange, wait
+from ..comm import exchange, global_rank, wait
 from ..executor.reducer import Reducer
 from ..mixing import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
                       ordered_weighted_sum)
@@ -164,6 +164,7 @@ class BlockMixer(Mixer):
                 if l not in held:
                     send.setdefault(l // per, set()).add(i)
         self._send = {q: sorted(v) for q, v in send.items()}
+        self._rows_out = sum(len(v) for v in self._send.values())  # rows one mixing sends to other processes
         #: the neighbouring ranks (for one agent per rank: the neighbour agents)
         self.neighbours = sorted(set(self._recv) | set(self._send))
 
@@ -232,7 +233,7 @@ class BlockMixer(Mixer):
             self._local.product(X2, out)
         row_bytes = X2.shape[1] * X2.element_size()
         self.bytes_sent += self.degrees * row_bytes
-        self.bytes_across += sum(len(v) for v in self._send.values()) * row_bytes
+        self.bytes_across += self._rows_out * row_bytes
         return _BlockHandle(self, works, peers, X2, halo, out, X.shape)
 
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,8 +317,8 @@ class DistReducer(Reducer):
             works = exchange([("send", buf, rank + 1)], group=self.group, what="the ordered evaluation sum")
             self._wait(works[0], f"sending the running sum to rank {rank + 1}", rank + 1)
             self.bytes += buf.numel() * buf.element_size()
-        root = dist.get_global_rank(self.group, n - 1) if self.group is not None else n - 1
-        self._wait(dist.broadcast(buf, src=root, group=self.group, async_op=True), "broadcasting the ordered sum")
+        last = global_rank(self.group, n - 1)
+        self._wait(dist.broadcast(buf, src=last, group=self.group, async_op=True), "broadcasting the ordered sum")
         if rank == n - 1:
             self.bytes += (n - 1) * buf.numel() * buf.element_size()
         return buf.to(acc.device)
@@ -331,8 +332,8 @@ class DistReducer(Reducer):
         block = X.reshape(X.shape[0], -1).contiguous().to(self.device)
         rank, n = dist.get_rank(self.group), dist.get_world_size(self.group)
         blocks = [torch.empty_like(block) for _ in range(n)] if rank == 0 else None
-        root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        self._wait(dist.gather(block, blocks, dst=root, group=self.group, async_op=True), "gathering parameters")
+        first = global_rank(self.group, 0)
+        self._wait(dist.gather(block, blocks, dst=first, group=self.group, async_op=True), "gathering parameters")
         if rank != 0:
             self.bytes += block.numel() * block.element_size()
             return None
