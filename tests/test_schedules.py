@@ -80,6 +80,7 @@ def test_random_matching_is_a_seeded_symmetric_matching_per_step(n):
     (lambda: topologies.schedule("random_matching", 8, peroid=3), "takes no parameter 'peroid'; allowed: seed, period"),
     (lambda: topologies.schedule("random_matching", 1), "needs n >= 2 agents, got 1"),
     (lambda: topologies.schedule("random_matching", 8, period=0), "period must be an integer >= 1, got 0"),
+    (lambda: topologies.schedule("random_matching", 8, seed=-1), "seed must be an integer >= 0, got -1"),
     (lambda: topologies.schedule("random_matching", 6, period=1), "over its period of 1: graph is not connected"),
     (lambda: topologies.schedule("one_peer", 8), "schedule 'one_peer' is unknown"),
 ])
