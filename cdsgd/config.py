@@ -125,6 +125,9 @@ class Config:
     out: str = key("", "output folder (\"\": runs/<algorithm>-<topology>-<dataset>-<time>)", volatile=True)
     overwrite: bool = key(False, "allow writing into an existing non-empty output folder", volatile=True)
     save_params: bool = key(False, "also write params.pt: the final N×P parameters (torch.save)")
+    logger: str = key("none", "none | tensorboard: also write TensorBoard event files into out (every metrics.csv "
+                      "column per evaluation, the training loss per step); needs the tensorboard extra",
+                      choices=("none", "tensorboard"), volatile=True)
     # --- reliability (docs/reliability.md)
     checkpoint_every: float = key(0.0, "write a checkpoint every this many checkpoint_units (0: never)", low=0,
                                   note=" (0: no checkpoints)", volatile=True)

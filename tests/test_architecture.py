@@ -20,9 +20,10 @@ LAYERS = [
     ["cdsgd.models"],
     ["cdsgd.executor", "cdsgd.simulator"],
     ["cdsgd.runtime"],
+    ["cdsgd.logger"],
     ["cdsgd.plan", "cdsgd.experiment"],
-    ["cdsgd.sweep", "cdsgd.plotting"],
-    ["cdsgd.cli", "cdsgd.cli_topo", "cdsgd.__main__"],
+    ["cdsgd.sweep", "cdsgd.plotting", "cdsgd.export"],
+    ["cdsgd.cli", "cdsgd.cli_topo", "cdsgd.cli_export", "cdsgd.__main__"],
 ]
 
 
