@@ -15,6 +15,7 @@ from typing import Sequence
 from . import __version__
 from .launch import describe_launch_failure, launch_argv  # noqa: F401 - public here too, as before
 from .cli_topo import _add_topo
+from .cli_export import _add_export
 from .testing import free_port  # noqa: F401 - public here too, as before
 
 __all__ = ["main", "build_parser"]
@@ -305,7 +306,7 @@ def _cmd_data(args) -> int:
 
 # --------------------------------------------------------------------- main
 
-_VERBS = (_add_run, _add_launch, _add_sweep, _add_plot, _add_data, _add_topo)
+_VERBS = (_add_run, _add_launch, _add_sweep, _add_plot, _add_data, _add_topo, _add_export)
 
 
 def build_parser() -> argparse.ArgumentParser:

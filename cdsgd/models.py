@@ -9,8 +9,9 @@ the first dense layer is found by a dry run.
 
 =============  =============================================================
 ``logreg``     multinomial logistic regression (one dense layer)
-``mlp``        dense ReLU layers ``hidden`` (default 256, 128)
-``fcn``        the paper's FCN: 20 dense ReLU layers of 50 units
+``mlp``        dense ReLU layers ``hidden`` (default [256, 128]; one integer
+               means one hidden layer, [] none)
+``fcn``        the paper's FCN: ``depth`` 20 dense ReLU layers of ``width`` 50
 ``lenet``      conv6(5×5)-pool-conv16(5×5)-pool-fc120-fc84
 ``cnn``        the paper's CNN: conv32-conv32-pool-dropout0.25-conv64-conv64-
                pool-dropout0.25-fc512 (3×3 ReLU convolutions)
@@ -26,13 +27,26 @@ the first dense layer is found by a dry run.
                ``levels``, ``iters``; :mod:`cdsgd.mgrit`)
 =============  =============================================================
 
+Options (``model_params``) are checked by name against the factory's
+signature and, for the built-in models, by the type of each default; errors
+name the model, the option, the allowed options with defaults, the closest
+name. **Your own model** ``"package.module:factory"`` is imported, not looked
+up: ``factory(input_shape, n_classes, **model_params)`` returns an
+``nn.Module`` mapping (B, *input_shape) to (B, n_classes) logits.
+
 >>> m = build_model("cnn", (1, 28, 28), 10)
 >>> m(torch.zeros(2, 1, 28, 28)).shape
 torch.Size([2, 10])
+>>> build_model("cdsgd.models:logreg", (1, 8, 8), 3)[-1]
+Linear(in_features=64, out_features=3, bias=True)
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -40,10 +54,12 @@ from torch import nn
 
 from topologies import Registry, unknown_name_error
 
+from .checks import check_int
+from .config import toml_value
 from .data.sequences import sequence_lengths
 
-__all__ = ["MODELS", "SequenceClassifier", "build_model", "check_model_options", "has_convolutions", "n_parameters",
-           "vmap_blockers"]
+__all__ = ["MODELS", "SequenceClassifier", "build_model", "check_model_options", "has_convolutions",
+           "import_callable", "is_import_path", "model_options", "n_parameters", "vmap_blockers"]
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 
@@ -81,12 +97,20 @@ def logreg(input_shape, n_classes):
 
 
 @MODELS.register("mlp")
-def mlp(input_shape, n_classes, hidden: Sequence[int] = (256, 128)):
-    return _dense_head(nn.Identity(), input_shape, list(hidden), n_classes)
+def mlp(input_shape, n_classes, hidden: Sequence[int] | int = (256, 128)):
+    """Dense ReLU layers of the widths ``hidden``; one integer is one hidden layer (``64`` ≡ ``[64]``)."""
+    widths = [hidden] if isinstance(hidden, int) and not isinstance(hidden, bool) else hidden
+    if (not isinstance(widths, (list, tuple))
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths)):
+        raise ValueError(f"model option hidden must be a list of layer widths (integers >= 1) or one integer "
+                         f"for model 'mlp' (default [256, 128]), got {hidden!r} ({type(hidden).__name__})")
+    return _dense_head(nn.Identity(), input_shape, list(widths), n_classes)
 
 
 @MODELS.register("fcn")
 def fcn(input_shape, n_classes, depth: int = 20, width: int = 50):
+    check_int("depth", depth, 1, what="model option ")
+    check_int("width", width, 1, what="model option ")
     return _dense_head(nn.Identity(), input_shape, [width] * depth, n_classes)
 
 
@@ -116,18 +140,137 @@ def big_cnn(input_shape, n_classes):
     return _dense_head(nn.Sequential(*blocks), input_shape, [512, 512], n_classes)
 
 
+def is_import_path(name) -> bool:
+    """Whether a model or data set name is ``"package.module:attribute"`` (imported, not looked up)."""
+    return isinstance(name, str) and ":" in name
+
+
+def import_callable(spec: str, kind: str) -> Callable:
+    """The callable ``attribute`` of ``package.module`` named by ``spec = "package.module:attribute"``.
+
+    ``kind`` ("model", "data set") starts every message. Each failure is a
+    ValueError naming ``spec`` and what is expected: a malformed name, a
+    module that cannot be imported (with the import's own error), a missing
+    attribute (with the closest public name of the module), a value that is
+    not callable.
+
+    >>> import_callable("cdsgd.models:mlp", "model").__name__
+    'mlp'
+    >>> import_callable("cdsgd.models:mpl", "model")
+    Traceback (most recent call last):
+    ...
+    ValueError: model 'cdsgd.models:mpl': module 'cdsgd.models' has no attribute 'mpl'; did you mean 'mlp'? ...
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(f"{kind} {spec!r}: expected a registered name or 'package.module:callable' "
+                         "(one colon, a module path before it and a name after it)")
+    try:
+        module = _import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raised while it ran
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} cannot be imported "
+                         f"({type(e).__name__}: {e}); it must be importable from the working directory, "
+                         "an installed package or PYTHONPATH") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n))]
+            hint = str(unknown_name_error("attribute", part, public)).partition(" is unknown")[2]
+            raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no attribute {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{kind} {spec!r}: {attr} is of type {type(obj).__name__}, not callable; expected a function "
+                         + ("factory(input_shape, n_classes, **model_params) -> torch.nn.Module" if kind == "model"
+                            else "loader(data_dir) -> cdsgd.data.Dataset"))
+    return obj
+
+
+def _import_module(module_name: str):
+    """``importlib.import_module``; the working directory is searched last (the ``cdsgd`` script omits it)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != module_name.partition(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)  # kept: the module's own imports of its neighbours must keep working
+        return importlib.import_module(module_name)
+
+
+def _factory(name: str) -> Callable[..., nn.Module]:
+    return import_callable(name, "model") if is_import_path(name) else MODELS.get(name)
+
+
+def model_options(name: str) -> dict | None:
+    """The options model ``name`` takes with their defaults (``Parameter.empty``: required); None with ``**kwargs``.
+
+    >>> model_options("fcn")
+    {'depth': 20, 'width': 50}
+    """
+    fn = _factory(name)
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]
+    except (TypeError, ValueError):  # a callable without a signature (a C function): names cannot be checked
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _show(value) -> str:
+    if value is inspect.Parameter.empty:
+        return "(required)"
+    try:
+        return toml_value(list(value) if isinstance(value, tuple) else value)
+    except ValueError:
+        return repr(value)
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_options(name: str, options: dict) -> None:
+    """Option names against the signature; for built-in models, scalar values against their defaults' types."""
+    known = model_options(name)
+    if known is None:
+        return
+    allowed = ", ".join(f"{k} = {_show(v)}" for k, v in known.items()) or "(none)"
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        if known:
+            hint = str(unknown_name_error("option", unknown[0], known)).partition(" Known: ")[0].rstrip(";")
+            hint += f"{' ' if hint.endswith('?') else '; '}allowed (with defaults): {allowed}"
+        else:
+            hint = f"model {name!r} takes no options"
+        raise ValueError(f"model {name!r}: bad options {unknown} ({hint})")
+    if is_import_path(name):
+        return  # the user's factory checks its own values
+    for key, value in options.items():
+        want = type(known[key])
+        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool)) or (
+            want is float and isinstance(value, int) and not isinstance(value, bool))
+        if want in _TYPE_WORDS and not ok:
+            raise ValueError(f"model option {key} must be {_TYPE_WORDS[want]} for model {name!r} "
+                             f"(default {_show(known[key])}), got {value!r} ({type(value).__name__})")
+
+
 def build_model(name: str, input_shape: Sequence[int], n_classes: int, **options) -> nn.Module:
-    """The model ``name`` for inputs of ``input_shape`` and ``n_classes`` classes."""
-    fn = MODELS.get(name)
+    """The model ``name`` (registered, or ``"package.module:factory"``) for ``input_shape`` and ``n_classes``."""
+    fn = _factory(name)
     input_shape = tuple(int(s) for s in input_shape)
     if not input_shape or any(s < 1 for s in input_shape):
         raise ValueError(f"input_shape must be positive sizes, got {input_shape}")
     if not isinstance(n_classes, int) or n_classes < 2:
         raise ValueError(f"n_classes must be an integer >= 2, got {n_classes!r}")
+    _check_options(name, options)
     try:
-        return fn(input_shape, n_classes, **options)
+        model = fn(input_shape, n_classes, **options)
     except TypeError as e:
-        raise ValueError(f"model {name!r}: bad options {sorted(options)} ({e})") from None
+        raise ValueError(f"model {name!r}: building it with options {options} failed ({e})") from e
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model {name!r}: the factory returned an object of type {type(model).__name__}; expected "
+                         "a torch.nn.Module mapping (B, *input_shape) to (B, n_classes) logits")
+    return model
 
 
 #: a valid input shape for each model family, to check options before any data is loaded
@@ -135,28 +278,45 @@ _PROBE_SHAPES = {"lstm": (16, 2), "gru": (16, 2), "pgru": (16, 2)}
 _IMAGE_PROBE = (1, 28, 28)
 
 
-def check_model_options(name: str, options: dict) -> None:
-    """Refuse an unknown model or options it does not take, before any data is loaded.
+def check_model_options(name: str, options: dict, *, input_shape: Sequence[int] | None = None,
+                        n_classes: int = 2, sample: torch.Tensor | None = None) -> None:
+    """Refuse an unknown model or options it does not take, before any output folder exists.
 
-    Unknown option names are refused naming the allowed ones (with a
-    suggestion); values are checked by building the model once for a small
-    input of its family (sequences for lstm/gru/pgru, 1×28×28 images
-    otherwise) and 2 classes.
+    Unknown option names are refused naming the allowed ones with their
+    defaults (and the closest name); values are checked by building the
+    model once, for ``input_shape`` and ``n_classes`` when given, else for a
+    small input of its family (sequences for lstm/gru/pgru, 1×28×28 images
+    otherwise) and 2 classes. A model given as ``"package.module:factory"``
+    is only built when ``input_shape`` is given (its inputs are its own),
+    and then must map ``sample`` (or two zero inputs) to (B, n_classes)
+    floating-point logits.
 
     >>> check_model_options("mlp", {"hiden": [32]})
     Traceback (most recent call last):
     ...
-    ValueError: model 'mlp': bad options ['hiden'] (option 'hiden' is unknown; did you mean 'hidden'? Known: hidden)
+    ValueError: model 'mlp': bad options ['hiden'] (option 'hiden' is unknown; did you mean 'hidden'? ... [256, 128])
     """
-    import inspect
-
-    fn = MODELS.get(name)
-    known = [p for p in list(inspect.signature(fn).parameters)[2:]]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        hint = unknown_name_error("option", unknown[0], known) if known else f"model {name!r} takes no options"
-        raise ValueError(f"model {name!r}: bad options {unknown} ({hint})")
-    build_model(name, _PROBE_SHAPES.get(name, _IMAGE_PROBE), 2, **options)
+    if input_shape is None and is_import_path(name):
+        _check_options(name, options)
+        return
+    shape = tuple(input_shape) if input_shape is not None else _PROBE_SHAPES.get(name, _IMAGE_PROBE)
+    model = build_model(name, shape, n_classes, **options)
+    if not is_import_path(name):
+        return
+    x = sample if sample is not None else torch.zeros(2, *shape)
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"model {name!r}: the module has no parameters; there is nothing to train")
+    try:
+        with torch.no_grad():
+            out = model.eval()(x)
+    except Exception as e:  # the user's forward pass: say which model and which inputs
+        raise ValueError(f"model {name!r}: its forward pass on inputs of shape {tuple(x.shape)} failed "
+                         f"({type(e).__name__}: {e})") from e
+    want = (len(x), n_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or not out.is_floating_point():
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"model {name!r}: for inputs of shape {tuple(x.shape)} the module returned {got}; "
+                         f"expected floating-point logits of shape {want} (batch, n_classes)")
 
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -185,7 +345,6 @@ def has_convolutions(module: nn.Module) -> bool:
 
 def n_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
 
 
 class SequenceClassifier(nn.Module):

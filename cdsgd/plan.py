@@ -8,6 +8,13 @@ options. A bad name, value, graph file or model option fails here, before an
 output folder exists. :func:`prepare` then loads and partitions the data and
 returns the :class:`Parts` the executor consumes.
 
+A ``model`` or ``dataset`` of the form ``"package.module:callable"`` is the
+user's own: it is imported instead of looked up in the registry, and
+because its inputs and outputs are unknown until it runs, the door loads the
+data set once (kept in :attr:`Plan.data` for :func:`prepare`), checks what
+the loader returned and runs the model on two training inputs. See
+:func:`load_config_dataset` and :func:`cdsgd.models.build_model`.
+
     >>> from cdsgd.config import load_config
     >>> plan = validate_config(load_config(overrides=["topology=torus", "n_agents=9", "algorithm=cdsgd"]))
     >>> plan.W.shape, type(plan.algorithm).__name__, round(plan.spectral_gap.gap, 4)
@@ -17,7 +24,8 @@ returns the :class:`Parts` the executor consumes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Callable
 
 import networkx as nx
@@ -30,15 +38,20 @@ from .algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
 from .config import Config, check_ranges, key_info
 from .data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
 from .data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
+from .logger import check_logger
 from .mixing import DENSE_UP_TO
-from .models import MODELS, build_model, check_model_options
+from .models import MODELS, build_model, check_model_options, import_callable, is_import_path
 from .seeding import generator
 
-__all__ = ["Parts", "Plan", "REGISTRIES", "hyperparameters", "prepare", "validate_config"]
+__all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "hyperparameters", "load_config_dataset", "prepare",
+           "validate_config"]
 
 #: the registries that hold the allowed names of config keys declared with ``registry=``
+#: (a ``model`` or ``dataset`` holding a ':' is imported instead: :data:`IMPORTABLE`)
 REGISTRIES = {"algorithm": ALGORITHMS, "mixing": topologies.RULES, "dataset": DATASETS, "partition": PARTITIONS,
               "model": MODELS, "bucket_rule": BUCKET_RULES}
+#: registries whose names may also be ``"package.module:callable"`` (the user's own model or data set)
+IMPORTABLE = ("model", "dataset")
 
 
 @dataclass
@@ -51,6 +64,10 @@ class Plan:
     W: "np.ndarray | object"
     spectral_gap: topologies.SpectralGap
     algorithm: Algorithm
+    #: warnings about the config (settings that have no effect, weights that are ignored); a run logs them
+    notes: list = field(default_factory=list)
+    #: the data set, when the door had to load it (the user's own model or data set); else None
+    data: Dataset | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -105,16 +122,17 @@ def validate_config(cfg: Config) -> Plan:
     """Refuse bad names and values before any data is loaded; build the graph, W and the algorithm once."""
     for name in Config.__dataclass_fields__:
         tag = key_info(name)["registry"]
-        if tag:
+        if tag and not (tag in IMPORTABLE and is_import_path(getattr(cfg, name))):
             REGISTRIES[tag].get(getattr(cfg, name))
     check_ranges(cfg)
+    check_logger(cfg.logger)  # logger="tensorboard" without the package fails here, not after the run
     if cfg.checkpoint_unit == "steps" and cfg.checkpoint_every != int(cfg.checkpoint_every):
         raise ValueError(f"checkpoint_every must be a whole number of steps with checkpoint_unit='steps', "
                          f"got {cfg.checkpoint_every}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
-    check_model_options(cfg.model, cfg.model_params)
+    check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
     if cfg.topology in topologies.SCHEDULES:  # time-varying: W_k of the schedule at step k (its own weights)
         if cfg.mixing != key_info("mixing")["default"]:
@@ -126,7 +144,85 @@ def validate_config(cfg: Config) -> Plan:
         G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
         W = topologies.mixing_matrix(G, cfg.mixing, sparse=G.number_of_nodes() > DENSE_UP_TO)  # no N×N at scale
     algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
-    return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm)
+    data = None
+    if is_import_path(cfg.dataset) or is_import_path(cfg.model):  # the user's code: run it before any folder exists
+        data = load_config_dataset(cfg)
+        check_model_options(cfg.model, cfg.model_params, input_shape=data.input_shape, n_classes=data.n_classes,
+                            sample=data.train[0][:2])
+    return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm, data=data,
+                notes=_notes(cfg, G))
+
+
+def _notes(cfg: Config, G: nx.Graph) -> list[str]:
+    """Settings of ``cfg`` that have no effect, said before the run rather than found out after it."""
+    notes = []
+    if (topologies.is_graph_file(cfg.topology) and cfg.mixing != "weight"
+            and any("weight" in d for _, _, d in G.edges(data=True))):
+        notes.append(f"graph file {cfg.topology!r} carries edge weights, which mixing={cfg.mixing!r} ignores "
+                     "(it computes its own); set mixing=weight to mix with the file's weights")
+    for name in ("momentum", "nesterov"):
+        if name not in algorithm_params(cfg.algorithm) and getattr(cfg, name) != key_info(name)["default"]:
+            users = ", ".join(a for a in ALGORITHMS if name in algorithm_params(a))
+            notes.append(f"{name}={getattr(cfg, name)!r} has no effect with algorithm={cfg.algorithm!r} "
+                         f"(it is used by {users})")
+    return notes
+
+
+def load_config_dataset(cfg: Config) -> Dataset:
+    """The data set of a config: ``load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)``, or the user's.
+
+    ``dataset = "package.module:loader"`` imports ``loader`` and calls
+    ``loader(pathlib.Path(cfg.data_dir))``. It may return a
+    :class:`~cdsgd.data.Dataset`, or ``((train_x, train_y), (test_x,
+    test_y))`` of tensors or numpy arrays: inputs floating-point of shape
+    (n, *input_shape), used as they are (normalise them yourself), labels
+    integers 0..K−1 with K = the largest label + 1 (at least 2). Anything
+    else is a ValueError naming the data set and what is expected.
+
+    >>> from cdsgd.config import load_config
+    >>> load_config_dataset(load_config(overrides=["dataset=synthetic"])).n_classes
+    4
+    """
+    if not is_import_path(cfg.dataset):
+        return load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+    loader = import_callable(cfg.dataset, "data set")
+    return _as_dataset(cfg.dataset, loader(Path(cfg.data_dir)))
+
+
+_EXPECTED = "a cdsgd.data.Dataset or ((train_x, train_y), (test_x, test_y)) of tensors or numpy arrays"
+
+
+def _as_dataset(name: str, result) -> Dataset:
+    if isinstance(result, Dataset):
+        return result
+    if not (isinstance(result, (tuple, list)) and len(result) == 2
+            and all(isinstance(s, (tuple, list)) and len(s) == 2 for s in result)):
+        raise ValueError(f"data set {name!r}: the loader returned {_describe(result)}; expected {_EXPECTED}")
+    splits = []
+    for split, (x, y) in zip(("train", "test"), result):
+        if not all(isinstance(a, (torch.Tensor, np.ndarray)) for a in (x, y)):
+            raise ValueError(f"data set {name!r}: the loader's {split} split holds {_describe(x)} and "
+                             f"{_describe(y)}; expected (inputs, labels) as tensors or numpy arrays")
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        if not x.is_floating_point() or x.dim() < 2:
+            raise ValueError(f"data set {name!r}: {split} inputs are {x.dtype} of shape {tuple(x.shape)}; "
+                             "expected floating-point inputs of shape (n, *input_shape)")
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool or y.dim() != 1:
+            raise ValueError(f"data set {name!r}: {split} labels are {y.dtype} of shape {tuple(y.shape)}; "
+                             "expected integer class labels of shape (n,)")
+        splits.append((x.float().contiguous(), y.long().contiguous()))
+    labels = torch.cat([splits[0][1], splits[1][1]])
+    n_classes = int(labels.max()) + 1 if labels.numel() else 0
+    if n_classes < 2:
+        raise ValueError(f"data set {name!r}: the labels span {n_classes} class(es); "
+                         "expected labels 0..K-1 with K >= 2")
+    return Dataset(name, splits[0], splits[1], n_classes, tuple(splits[0][0].shape[1:]))
+
+
+def _describe(value) -> str:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _subset(x: torch.Tensor, y: torch.Tensor, k: int, seed: int, what: str):
@@ -139,7 +235,7 @@ def _subset(x: torch.Tensor, y: torch.Tensor, k: int, seed: int, what: str):
 def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
     """The data of a run, loaded and split among the agents, with the model factory (validating first if no plan)."""
     plan = plan if plan is not None else validate_config(cfg)
-    ds = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+    ds = plan.data if plan.data is not None else load_config_dataset(cfg)
     train_x, train_y = _subset(*ds.train, cfg.train_subset, cfg.seed, "train_subset")
     test_x, test_y = _subset(*ds.test, cfg.test_subset, cfg.seed, "test_subset")
     idx = partition(train_y.numpy(), cfg.n_agents, cfg.partition, seed=cfg.seed, alpha=cfg.dirichlet_alpha,
