@@ -92,3 +92,42 @@ def test_average_all_and_masked(mask):
     expected = 2.5 if mask is None else 2.0  # mean of 1..4, or of ranks 0 and 2 (values 1 and 3)
     for j in range(4):
         assert torch.equal(results[j], torch.full((10,), expected))
+
+
+#: symmetric within topologies.TOL, but its zero pattern is not: agent 0 averages with 1, agent 1 with nobody
+ONE_SIDED = np.array([[1 - 5e-9, 5e-9], [0.0, 1.0]])
+
+
+def _one_sided(rank, world, timeout):
+    import time
+
+    from cdsgd.runtime import NeighbourMixer
+
+    t0 = time.monotonic()
+    try:
+        NeighbourMixer(ONE_SIDED, rank, timeout=timeout)
+        refused = "not refused"
+    except ValueError as e:
+        refused = str(e)
+    # unvalidated (as the runtime takes a directed push-sum W): the sends follow W's columns, the receives its
+    # rows, so rank 1 sends to rank 0, which receives, and neither waits for a message nobody sends
+    mixer = NeighbourMixer(ONE_SIDED, rank, timeout=timeout, validate=False)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(7 + rank), dtype=torch.float64)
+    mixed = mixer.mix(x).clone()
+    return refused, mixed, mixer.bytes_across, time.monotonic() - t0
+
+
+def test_one_sided_zero_pattern_refused_by_name_and_never_hangs():
+    timeout = 10.0
+    results = run_ranks(_one_sided, 2, timeout, timeout=120, pg_timeout=30)
+    X = np.stack([torch.randn(64, generator=torch.Generator().manual_seed(7 + r), dtype=torch.float64).numpy()
+                  for r in range(2)])
+    expected = ONE_SIDED @ X
+    for rank in range(2):
+        refused, mixed, across, seconds = results[rank]
+        assert refused == ("mixing matrix is not symmetric: W[0, 1] = 5e-09 but W[1, 0] = 0: "
+                           "the zero pattern is not symmetric")
+        np.testing.assert_allclose(mixed.numpy(), expected[rank], rtol=0, atol=1e-15)
+        assert seconds < timeout / 2  # no wait ran into comm_timeout
+    assert results[0][2] == 0  # W[1, 0] = 0: rank 0 sends nothing
+    assert results[1][2] == 64 * 8  # W[0, 1] != 0: rank 1 sends its row to rank 0, once

@@ -341,6 +341,9 @@ def _sparse(A):
     ([[1.2, -0.2], [-0.2, 1.2]], r"entry W\[0, 1\] = -0.2 is negative"),
     ([[np.nan, 0.5], [0.5, 0.5]], r"W\[0, 0\] = nan is not finite"),
     ([[0.5, 0.5, 0.0], [0.3, 0.4, 0.3], [0.2, 0.1, 0.7]], r"not symmetric: W\[0, 1\] = 0.5 but W\[1, 0\] = 0.3"),
+    # symmetric within tol, but agent 0 would average with 2 while 2 ignores 0 (the runtime's peers must be mutual)
+    ([[0.5, 0.5, 3e-9], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]],
+     r"not symmetric: W\[0, 2\] = 3e-09 but W\[2, 0\] = 0: the zero pattern is not symmetric"),
     ([[0.5, 0.4], [0.4, 0.5]], r"row 0 sums to 0.9, not 1"),
     (np.eye(3), r"graph is not connected: 3 components"),
 ])
@@ -349,6 +352,16 @@ def test_sparse_validation_names_the_same_faults(W, message):
         validate(W)
     with pytest.raises(ValueError, match=message):
         validate(_sparse(W))
+
+
+def test_one_sided_zero_pattern_is_for_directed_matrices_only():
+    """symmetric=False (a schedule's step, push-sum's column-stochastic W) takes what symmetric=True refuses."""
+    W = np.array([[1 - 5e-9, 5e-9], [0.0, 1.0]])
+    np.testing.assert_array_equal(validate(W, symmetric=False), W)
+    P = mixing_matrix(build("directed_ring", 4), "push_sum")  # every entry one-sided by design
+    assert validate(P, symmetric=False, row_sums=False) is not None
+    with pytest.raises(ValueError, match=r"not symmetric: W\[0, 1\] = 0 but W\[1, 0\] = 0.5"):
+        validate(P)
 
 
 def test_sparse_validation_checks_the_graph_support():

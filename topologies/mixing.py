@@ -242,9 +242,11 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
     """Check that ``W`` is a valid mixing matrix (for ``G`` when given).
 
     Checks, in order: square 2-D, finite, non-negative, symmetric
-    (|W_ij − W_ji| <= tol), every row and column sums to 1 (within tol), zero
-    wherever G has no edge (diagonal excepted), and connected (the graph of
-    W's non-zero off-diagonal entries, which must then also be G's edges).
+    (|W_ij − W_ji| <= tol, and W_ij != 0 exactly where W_ji != 0: the
+    neighbour relation is mutual), every row and column sums to 1 (within
+    tol), zero wherever G has no edge (diagonal excepted), and connected (the
+    graph of W's non-zero off-diagonal entries, which must then also be G's
+    edges).
     ``symmetric=False`` and ``connected=False`` leave those two checks out:
     one step of a time-varying schedule (:mod:`topologies.schedules`) is
     doubly stochastic but may be neither; the schedule checks connectivity
@@ -308,6 +310,14 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
         raise ValueError(
             f"mixing matrix is not symmetric: W[{i}, {j}] = {_fmt(S[i, j])} but W[{j}, {i}] = {_fmt(S[j, i])}"
         )
+    if symmetric:
+        # Within tol, W_ij = 5e-9 may face W_ji = 0: agent i would average with j while j ignores i. The
+        # neighbour relation must be mutual for a symmetric W (push-sum's directed W is checked with
+        # symmetric=False: its exchange follows rows and columns apart).
+        i, j = _one_sided_entry(n, rows, cols, vals)
+        if i is not None:
+            raise ValueError(f"mixing matrix is not symmetric: W[{i}, {j}] = {_fmt(S[i, j])} but W[{j}, {i}] = 0: "
+                             "the zero pattern is not symmetric")
     for axis, what in ((1, "row"), (0, "column"))[0 if row_sums else 1:]:
         sums = dense.sum(axis=axis) if dense is not None else np.asarray(S.sum(axis=axis)).ravel()
         bad = np.flatnonzero(np.abs(sums - 1.0) > tol)
@@ -326,6 +336,20 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
     if connected:
         _check_connected(n, rows[off], cols[off], directed=not row_sums)
     return S if dense is None else dense
+
+
+def _one_sided_entry(n: int, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> tuple:
+    """The first (i, j), in row-major order, with W_ij != 0 but W_ji == 0; (None, None) when there is none."""
+    import scipy.sparse as sp
+
+    nz = vals != 0
+    P = sp.csr_array((np.ones(int(nz.sum())), (rows[nz], cols[nz])), shape=(n, n))
+    D = (P - P.T).tocoo()
+    one_sided = D.data > 0
+    if not one_sided.any():
+        return None, None
+    k = np.lexsort((D.col[one_sided], D.row[one_sided]))[0]
+    return int(D.row[one_sided][k]), int(D.col[one_sided][k])
 
 
 def _check_connected(n: int, rows: np.ndarray, cols: np.ndarray, directed: bool = False) -> None:

@@ -29,7 +29,8 @@ exact mode sums it (self first, then neighbours in ascending order), so
 parameters are bit-identical.
 
 Works with gloo on CPU tensors and nccl on CUDA tensors (the device follows
-the tensor). Every wait has a timeout (``comm_timeout``): a neighbour that
+the tensor), in the world or in a subgroup (ranks and W's indices are the
+group's ranks). Every wait has a timeout (``comm_timeout``): a neighbour that
 does not answer is an error naming it, not a hang.
 
 Example, inside a process group (e.g. under torchrun)::
@@ -106,8 +107,12 @@ class BlockMixer(Mixer):
         rank, world: this process's rank in ``group`` and the group's size; it
             holds :func:`agent_block` (N, world, rank), and agent l lives on rank
             l // (N/world). Peers are ranks of ``group`` (:mod:`cdsgd.comm`'s one
-            convention).
-        group: the process group (default: the world).
+            convention), translated to global ranks where a message is posted,
+            so a subgroup (e.g. global ranks 1, 2, 3 of four) works as the
+            world does. Under a process group, a ``rank`` or ``world`` that is
+            not this process's place in ``group`` is refused at once.
+        group: the process group (default: the world); only its members
+            build its mixer, and all of them must.
         timeout: seconds any single wait may take (``comm_timeout``).
         exact: sum each row as :func:`ordered_weighted_sum` over the agent
             itself, then its neighbours in ascending order (the simulator's
@@ -138,6 +143,7 @@ class BlockMixer(Mixer):
         self.n_agents = n = W.shape[0]
         self.agents = agent_block(n, world, rank)
         self.rank, self.world, self.group = int(rank), int(world), group
+        self._check_place()
         self.timeout, self.exact = float(timeout), bool(exact)
         per, lo = len(self.agents), self.agents[0]
         S = (W.tocsr() if is_sparse(W) else sp.csr_array(W)).astype(np.float64)
@@ -151,7 +157,10 @@ class BlockMixer(Mixer):
         self._rows = [(w, [(0, l - lo) if l in held else (1, position[l]) for l in src]) for w, src in rows]
         self.degrees = torch.tensor([len(src) - 1 for _, src in rows], dtype=torch.float64)
 
-        # per neighbouring rank: the slice of the halo it fills, and the held rows it needs
+        # Per neighbouring rank: the slice of the halo it fills (from W's rows: x_l with W[j, l] != 0 for a
+        # held j) and the held rows it needs (from W's columns: x_j goes to l's rank when W[l, j] != 0).
+        # Every rank reads the same non-zeros, so what p sends q is exactly what q receives from p, whatever
+        # W's zero pattern (a directed push-sum W too): no rank waits on a message nobody sends.
         self._recv: dict[int, tuple[int, int]] = {}
         for h, l in enumerate(self.halo_agents):
             a, _ = self._recv.get(l // per, (h, h))
@@ -173,6 +182,22 @@ class BlockMixer(Mixer):
         self.bytes_sent = torch.zeros(per, dtype=torch.float64)
         self.bytes_across = 0.0
         self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def _check_place(self) -> None:
+        """Refuse a rank or size that is not this process's place in ``group`` (peers are its ranks)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # built outside a process group (nothing to compare with yet)
+        me, size, glob = dist.get_rank(self.group), dist.get_world_size(self.group), dist.get_rank()
+        name = type(self).__name__
+        if me < 0:
+            raise ValueError(f"{name}: this process (global rank {glob}) is not a member of the given group; "
+                             "only the group's ranks may exchange in it")
+        if size != self.world:
+            raise ValueError(f"{name}: the mixing matrix places its {self.n_agents} agents on {self.world} "
+                             f"ranks, but the group has {size}")
+        if me != self.rank:
+            raise ValueError(f"{name}: rank {self.rank} was given, but this process is rank {me} of the group "
+                             f"(global rank {glob}); rank and the neighbour indices are ranks of the group")
 
     # ------------------------------------------------------------ buffers
 
@@ -262,7 +287,8 @@ class NeighbourMixer(BlockMixer):
 
     Args:
         W: the N×N mixing matrix (N = the group's size); this rank uses its row.
-        rank: this agent's index (its rank in ``group``).
+        rank: this agent's index: its rank in ``group``, ``dist.get_rank(group)``
+            (not its global rank), as are W's indices.
         group, timeout, exact, validate: as :class:`BlockMixer`.
     """
 
