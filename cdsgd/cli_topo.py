@@ -68,7 +68,8 @@ def _cmd_topo(args) -> int:
     if args.draw:
         from .plotting import draw_topology
 
-        draw_topology(G, W, args.draw, title=f"{args.topology} (n={info['n']}, {args.rule})")
+        given = ", ".join([f"n={info['n']}"] + [f"{k}={v}" for k, v in params.items()])
+        draw_topology(G, W, args.draw, title=f"{args.topology} ({given}), {args.rule} weights")
     if args.json:
         print(json.dumps(info))
         return 0

@@ -1,74 +1,19 @@
-"""Figures, drawn headless with matplotlib's Agg backend."""
+"""Figures of runs and sweeps, drawn headless with matplotlib's Agg backend.
+
+Each ``*_figure`` function returns the matplotlib Figure (for tests and
+notebooks); ``plot_run`` and ``plot_sweep`` save them. Pictures of a topology
+(``draw_topology``) live in :mod:`cdsgd.topology_drawing` and are re-exported here.
+"""
 
 from __future__ import annotations
 
-import os
-
-import networkx as nx
 import numpy as np
 
 import topologies
 
-__all__ = ["draw_topology", "plot_run", "plot_sweep"]
+from .topology_drawing import draw_topology, pyplot, save_figure, topology_figure
 
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def draw_topology(G: nx.Graph, W, path: str | os.PathLike, *, title: str = "") -> None:
-    """Save a picture of ``G`` with each edge labelled by its weight W[i, j]
-    and each node by its index and self weight W[i, i].
-
-    Grid graphs (``G.graph["shape"]``) are drawn on their grid, with
-    wrap-around edges dashed; graphs whose degrees are all equal on a
-    circle; others with a seeded spring layout. Labels are drawn for n <= 32.
-    """
-    plt = _pyplot()
-    W = np.asarray(W)
-    n = G.number_of_nodes()
-    degrees = {d for _, d in G.degree()}
-    shape = G.graph.get("shape")
-    if shape:
-        cols = shape[1]
-        pos = {i: np.array([i % cols, -(i // cols)], dtype=float) for i in G.nodes}
-    else:
-        pos = nx.circular_layout(G) if len(degrees) == 1 else nx.spring_layout(G, seed=0)
-    # edges longer than one grid step are the torus' wrap-around links
-    wrap = [(i, j) for i, j in G.edges() if shape and np.abs(pos[i] - pos[j]).sum() > 1.5]
-    size = min(12.0, 4.0 + 0.25 * n)
-    fig, ax = plt.subplots(figsize=(size, size))
-    nx.draw_networkx_edges(G, pos, ax=ax, edge_color="0.5", edgelist=[e for e in G.edges() if e not in wrap])
-    if wrap:
-        nx.draw_networkx_edges(G, pos, ax=ax, edge_color="0.75", style="dashed", edgelist=wrap,
-                               arrows=True, arrowstyle="-", connectionstyle="arc3,rad=0.15")
-    nx.draw_networkx_nodes(G, pos, ax=ax, node_color="#9ecae1", node_size=700 if n <= 32 else 120)
-    if n <= 32:
-        nx.draw_networkx_labels(G, pos, ax=ax, labels={i: f"{i}\n{W[i, i]:.2f}" for i in G.nodes}, font_size=8)
-        nx.draw_networkx_edge_labels(
-            G, pos, ax=ax, edge_labels={(i, j): f"{W[i, j]:.3f}" for i, j in G.edges() if (i, j) not in wrap},
-            font_size=7
-        )
-    legend = "node: index / self weight; edge: weight" + ("; dashed: wrap-around" if wrap else "")
-    ax.set_title((title + "\n" if title else "") + legend, fontsize=10)
-    ax.set_axis_off()
-    fig.tight_layout()
-    try:
-        directory = os.path.dirname(os.fspath(path))
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        fig.savefig(path, dpi=100)
-    except OSError as e:  # name the file we were asked to write, not an inner folder
-        raise OSError(f"cannot write the drawing {os.fspath(path)!r}: {e.strerror or e}") from None
-    except ValueError as e:  # matplotlib: an unknown image format
-        raise ValueError(f"cannot write the drawing {os.fspath(path)!r}: {e}") from None
-    finally:
-        plt.close(fig)
+__all__ = ["draw_topology", "topology_figure", "plot_run", "run_figure", "plot_sweep", "sweep_figures"]
 
 
 # ----------------------------------------------------------------- run / sweep figures
@@ -98,64 +43,163 @@ def _num(v) -> float:
         return float("nan")
 
 
-def plot_run(folder, out=None) -> list[str]:
-    """Curves of one run folder: test accuracy (agents' mean and average model) and
-    consensus distance against epochs. Returns the files written."""
+def _order(v) -> tuple:
+    """Sort key: numbers by value, then text (a NaN key would leave the order to chance)."""
+    x = _num(v)
+    return (0, x, "") if np.isfinite(x) else (1, 0.0, str(v))
+
+
+def _column(rows, key) -> np.ndarray:
+    return np.array([_num(r.get(key)) for r in rows])
+
+
+def _whole_epochs(ax, epochs) -> None:
+    """Integer ticks on an epoch axis whose points all fall on whole epochs (no 1.25 between 1 and 2)."""
+    from matplotlib.ticker import MaxNLocator
+
+    e = np.asarray(epochs, dtype=float)
+    e = e[np.isfinite(e)]
+    if len(e) and np.all(e == np.round(e)):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _log_if_wide(ax, values) -> None:
+    """A log y axis when the positive values span 10x or more (a narrower span gets only minor ticks)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if len(v) and v.min() > 0 and v.max() >= 10 * v.min():
+        ax.set_yscale("log")
+
+
+def _run_title(folder) -> str:
+    """Algorithm, topology, n, data set ... of a run, from its summary.json (or config.toml while it runs)."""
+    import json
+    import tomllib
+
+    info = {}
+    for name, read in (("config.toml", tomllib.loads), ("summary.json", json.loads)):
+        try:
+            info.update(read((folder / name).read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            pass
+    if "algorithm" not in info:
+        return folder.name
+    from .config import short_value as show
+
+    return (f"{info['algorithm']} on {show(info.get('topology'))} (n={info.get('n_agents')}, "
+            f"{info.get('mixing')}), {info.get('dataset')} ({info.get('partition')}), {info.get('model')}, "
+            f"seed {info.get('seed')}\n{folder.name}")
+
+
+def run_figure(folder):
+    """The Figure of :func:`plot_run`."""
     from pathlib import Path
 
-    plt = _pyplot()
+    plt = pyplot()
     folder = Path(folder)
     rows = _read_csv(folder / "metrics.csv",
                      ("epoch", "test_accuracy", "test_accuracy_avg_model", "consensus_distance"))
     if not rows:
         raise ValueError(f"{folder / 'metrics.csv'} has no rows yet")
-    ep = [_num(r["epoch"]) for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(ep, [_num(r["test_accuracy"]) for r in rows], marker="o", label="agents' own models (mean)")
-    a.plot(ep, [_num(r["test_accuracy_avg_model"]) for r in rows], marker="s", label="average model")
-    a.set_xlabel("epoch")
+    ep = _column(rows, "epoch")
+    losses = [(k, lab) for k, lab in (("train_loss", "training (batch loss)"),
+                                           ("test_loss", "test"))
+              if np.isfinite(_column(rows, k)).any()]
+    fig, axes = plt.subplots(1, 2 + bool(losses), figsize=(5.2 * (2 + bool(losses)), 4.4))
+    a, b = axes[0], axes[-1]
+    a.plot(ep, _column(rows, "test_accuracy"), marker="o", label="agents' own models (mean)")
+    a.plot(ep, _column(rows, "test_accuracy_avg_model"), marker="s", linestyle="--", label="average model x̄")
     a.set_ylabel("test accuracy")
-    a.grid(alpha=0.3)
     a.legend()
-    b.semilogy(ep, [_num(r["consensus_distance"]) for r in rows], marker="o", color="C2")
-    b.set_xlabel("epoch")
+    if losses:
+        for k, lab in losses:
+            axes[1].plot(ep, _column(rows, k), marker="o" if k == "train_loss" else "s", label=lab)
+        axes[1].set_ylabel("loss (mean over agents' own models)")
+        axes[1].legend()
+    dist = _column(rows, "consensus_distance")
+    b.plot(ep, dist, marker="o", color="C2")
+    _log_if_wide(b, dist)
     b.set_ylabel("consensus distance sqrt(mean ||x_j - x̄||²)")
-    b.grid(alpha=0.3, which="both")
-    fig.suptitle(folder.name)
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3, which="both")
+        _whole_epochs(ax, ep)
+    fig.suptitle(_run_title(folder), fontsize=11)
     fig.tight_layout()
-    path = Path(out or folder) / "curves.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [str(path)]
+    return fig
 
 
-def plot_sweep(folder, out=None) -> list[str]:
-    """The sweep figures from ``folder/results.csv`` and the runs' metrics.csv.
-
-    Runs are grouped by their varying keys except the seed; curves show the
-    mean over seeds with a band from the lowest to the highest seed. To stay
-    readable with many groups, the varying key with the most values sets the
-    colour, the next one the line style / marker, and any further keys split
-    the figure into panels; a key that varies only together with another
-    (a zip group) is shown through that one. Writes accuracy_vs_epoch.png,
-    consensus_vs_epoch.png, accuracy_vs_spectral_gap.png,
-    accuracy_vs_effective_neighbours.png (when results.csv has the column) and
-    accuracy_vs_bytes.png.
-    """
+def plot_run(folder, out=None) -> list[str]:
+    """Curves of one run folder, saved as ``curves.png``: test accuracy (agents' mean and the
+    average model), training and test loss (when metrics.csv has them) and consensus distance
+    against epochs; the title names the algorithm, topology, n, data set, model and seed.
+    Returns the files written."""
     from pathlib import Path
 
+    return [save_figure(run_figure(folder), Path(out or folder) / "curves.png", "figure")]
+
+
+_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
+
+
+def _bytes_axis(values) -> tuple[float, str, bool]:
+    """How to show bytes: (divisor, unit, log scale). Log only when the values span 10x or more."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    lo, hi = (float(v.min()), float(v.max())) if len(v) else (0.0, 0.0)
+    log = lo > 0 and hi / lo >= 10
+    scale, unit = next(((s, u) for s, u in _UNITS if hi >= s), (1.0, "bytes"))
+    return (1.0, "bytes", True) if log else (scale, unit, False)
+
+
+def _bytes_text(v, _pos=None) -> str:
+    """A byte count with its unit: '200 kB', '1 MB', '5 GB'."""
+    s, u = next(((s, u) for s, u in _UNITS if abs(v) >= s), (1.0, "B"))
+    return f"{v / s:.3g} {u}" if v else "0"
+
+
+def _format_bytes_axis(ax, log: bool, xs) -> None:
+    """Labelled ticks whatever the range: a log axis gets 1-2-5 ticks (one per decade beyond 100x)
+    labelled with their units; a plain axis, in the label's unit, is widened around a single value."""
+    from matplotlib import ticker
+
+    if log:
+        ax.set_xscale("log")
+        lo, hi = np.nanmin(xs), np.nanmax(xs)
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0) if hi / lo < 100 else (1.0,)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(_bytes_text))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    else:
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter(useOffset=False))
+        lo, hi = np.nanmin(xs), np.nanmax(xs)
+        if hi - lo <= 0.05 * abs(hi):  # one value (or nearly): show it with a margin, not at 1e-3 resolution
+            mid, half = (lo + hi) / 2, max(0.1 * abs(hi), 1.0)
+            ax.set_xlim(mid - half, mid + half)
+
+
+def _seed_note(groups, spread: str) -> str:
+    """'one seed per group', or 'mean over 3 seeds, band: min–max' (1–3 seeds when groups differ)."""
+    counts = sorted({len(runs) for runs in groups.values()})
+    if counts[-1] == 1:
+        return "one seed per group"
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    return f"mean over {n} seeds, {spread}: min–max"
+
+
+def sweep_figures(folder) -> dict:
+    """The Figures of :func:`plot_sweep`, by file name."""
+    from pathlib import Path
+
+    from .config import short_value as show
     from .sweep import RESULT_COLUMNS
 
-    plt = _pyplot()
+    plt = pyplot()
     folder = Path(folder)
-    out = Path(out or folder)
     need = ("status", "run", "test_accuracy", "spectral_gap", "bytes_sent_per_agent")
     results = [r for r in _read_csv(folder / "results.csv", need) if r["status"] == "completed"]
     if not results:
         raise ValueError(f"{folder} holds no run to plot: no metrics.csv (a run folder), and "
                          f"{folder / 'results.csv'} lists no completed run (a sweep folder)")
-
-    from .config import short_value as show
 
     varying = [k for k in results[0] if k not in RESULT_COLUMNS]
     # a key that only mirrors another (e.g. mixing zipped with topology) adds no information
@@ -165,12 +209,12 @@ def plot_sweep(folder, out=None) -> list[str]:
                     len({r[k2] for r in results}):
                 varying.remove(k)
                 break
-    values = {k: sorted({r[k] for r in results}, key=lambda v: (_num(v), v)) for k in varying}
+    values = {k: sorted({r[k] for r in results}, key=_order) for k in varying}
     keys = sorted(varying, key=lambda k: -len(values[k]))
     hue = keys[0] if keys else None
     style = keys[1] if len(keys) > 1 else None
     facet_keys = keys[2:]
-    facets = sorted({tuple(r[k] for k in facet_keys) for r in results}, key=lambda t: [(_num(v), v) for v in t])
+    facets = sorted({tuple(r[k] for k in facet_keys) for r in results}, key=lambda t: [_order(v) for v in t])
     colors = {v: f"C{i % 10}" for i, v in enumerate(values[hue])} if hue else {}
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D", "v", "P"]
@@ -180,80 +224,129 @@ def plot_sweep(folder, out=None) -> list[str]:
     for r in results:
         groups.setdefault((tuple(r[k] for k in facet_keys), r[hue] if hue else "", r[style] if style else ""),
                           []).append(r)
+    # the average model x̄'s accuracy beside the agents' mean: they differ most on non-IID data
+    models = [("test_accuracy", "agents' own models (mean)")]
+    if np.isfinite([_num(r.get("test_accuracy_avg_model")) for r in results]).any():
+        models.append(("test_accuracy_avg_model", "average model x̄"))
+    metrics: dict[str, list[dict]] = {}
+
+    def series(run):
+        if run not in metrics:
+            metrics[run] = _read_csv(folder / run / "metrics.csv", ("epoch",))
+        return metrics[run]
 
     def label(h, st):
         parts = ([f"{hue}={show(h)}"] if hue else []) + ([f"{style}={show(st)}"] if style else [])
         return ", ".join(parts) or "runs"
 
-    def panels():
+    def panels(per_facet):
+        """One row of ``per_facet`` axes (sharing y) per facet, up to 3 axes across."""
         n = len(facets)
-        cols = min(n, 3)
+        cols = max(1, 3 // per_facet) if n > 1 else 1
         rows_ = (n + cols - 1) // cols
-        fig, axes = plt.subplots(rows_, cols, figsize=(5.2 * cols + 3.2, 4.2 * rows_), squeeze=False)
-        for ax in axes.flat[n:]:
+        fig, grid = plt.subplots(rows_, cols * per_facet, figsize=(5.0 * cols * per_facet + 3.2, 4.2 * rows_),
+                                 squeeze=False)
+        flat = list(grid.flat)
+        for ax in flat[n * per_facet:]:
             ax.set_visible(False)
-        return fig, list(axes.flat[:n])
+        out = [flat[i * per_facet:(i + 1) * per_facet] for i in range(n)]
+        for f, row in zip(facets, out):
+            for ax, (_, what) in zip(row, models if per_facet > 1 else [(None, "")]):
+                ax.set_title("\n".join(filter(None, [", ".join(f"{k}={show(v)}" for k, v in zip(facet_keys, f)),
+                                                     what])), fontsize=10)
+                if ax is not row[0]:
+                    ax.sharey(row[0])
+        return fig, out
 
-    def finish(fig, axes, name, title):
-        for ax, f in zip(axes, facets):
-            if facet_keys:
-                ax.set_title(", ".join(f"{k}={show(v)}" for k, v in zip(facet_keys, f)), fontsize=10)
-            ax.grid(alpha=0.3, which="both")
+    def finish(fig, axes, title):
         seen = {}
-        for ax in axes:  # every panel: a group may appear in some panels only
+        for ax in (ax for row in axes for ax in row):  # every panel: a group may appear in some panels only
+            ax.grid(alpha=0.3)
             for h, lab in zip(*ax.get_legend_handles_labels()):
                 seen.setdefault(lab, h)
         seen = dict(sorted(seen.items()))
         fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=8)
         fig.suptitle(title, fontsize=11)
         fig.tight_layout(rect=(0, 0, 1 - 3.0 / fig.get_figwidth(), 0.95))
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        return str(out / name)
+        return fig
 
-    written = []
-    for column, name, ylabel, log in (
-        ("test_accuracy", "accuracy_vs_epoch.png", "test accuracy (mean over agents)", False),
-        ("consensus_distance", "consensus_vs_epoch.png", "consensus distance", True),
+    figures = {}
+    for name, columns, ylabel, log in (
+        ("accuracy_vs_epoch.png", [m for m, _ in models], "test accuracy", False),
+        ("consensus_vs_epoch.png", ["consensus_distance"], "consensus distance", True),
     ):
-        fig, axes = panels()
+        fig, axes = panels(len(columns))
+        drawn = []  # every (epochs, values) plotted: the axes' scales are decided on all of them
         for (f, h, st), runs in sorted(groups.items()):
-            ax = axes[facets.index(f)]
-            series = [_read_csv(folder / r["run"] / "metrics.csv", ("epoch", column)) for r in runs]
-            n = min(len(x) for x in series)
-            if n == 0:
-                continue
-            ep = np.array([_num(x["epoch"]) for x in series[0][:n]])
-            vals = np.array([[_num(x[column]) for x in srs[:n]] for srs in series])
-            color = colors.get(h, "C0")
-            ax.plot(ep, vals.mean(0), color=color, linestyle=styles[style_of.get(st, 0) % len(styles)],
-                    label=label(h, st))
-            ax.fill_between(ep, vals.min(0), vals.max(0), color=color, alpha=0.12)
-            if log:
-                ax.set_yscale("log")
+            for ax, column in zip(axes[facets.index(f)], columns):
+                rows = [series(r["run"]) for r in runs]
+                n = min(len(x) for x in rows)
+                if n == 0:
+                    continue
+                ep = _column(rows[0][:n], "epoch")
+                vals = np.array([_column(x[:n], column) for x in rows])
+                color = colors.get(h, "C0")
+                ax.plot(ep, vals.mean(0), color=color, linestyle=styles[style_of.get(st, 0) % len(styles)],
+                        label=label(h, st))
+                if len(runs) > 1:
+                    ax.fill_between(ep, vals.min(0), vals.max(0), color=color, alpha=0.12)
+                drawn.append((ep, vals))
+        for ax in (ax for row in axes for ax in row):
             ax.set_xlabel("epoch")
             ax.set_ylabel(ylabel)
-        written.append(finish(fig, axes, name, f"{ylabel} vs epoch (mean over seeds, band: min-max)"))
+            if drawn:
+                _whole_epochs(ax, np.concatenate([e for e, _ in drawn]))
+                if log:
+                    _log_if_wide(ax, np.concatenate([v.ravel() for _, v in drawn]))
+        figures[name] = finish(fig, axes, f"{ylabel} vs epoch ({_seed_note(groups, 'band')})")
 
-    for xcol, name, xlabel, logx in (
-        ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂", False),
+    for xcol, name, xlabel in (
+        ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂"),
         ("effective_neighbours", "accuracy_vs_effective_neighbours.png",
-         f"effective number of neighbours n_W(γ = {topologies.EFFECTIVE_DECAY})", False),
-        ("bytes_sent_per_agent", "accuracy_vs_bytes.png", "bytes sent per agent (whole run)", True),
+         f"effective number of neighbours n_W(γ = {topologies.EFFECTIVE_DECAY})"),
+        ("bytes_sent_per_agent", "accuracy_vs_bytes.png", "{} sent per agent (whole run)"),
     ):
         if any(r.get(xcol) in (None, "") for r in results):  # e.g. results.csv of an older release
             continue
-        fig, axes = panels()
+        scale, unit, logx = _bytes_axis([_num(r[xcol]) for r in results]) if "{}" in xlabel else (1.0, "", False)
+        fig, axes = panels(len(models))
+        xs_all = []
         for (f, h, st), runs in sorted(groups.items()):
-            ax = axes[facets.index(f)]
-            xs = np.array([_num(r[xcol]) for r in runs])
-            ys = np.array([_num(r["test_accuracy"]) for r in runs])
-            ax.errorbar(xs.mean(), ys.mean(), yerr=[[ys.mean() - ys.min()], [ys.max() - ys.mean()]],
-                        fmt=markers[style_of.get(st, 0) % len(markers)], color=colors.get(h, "C0"), capsize=3,
-                        label=label(h, st))
-            if logx:
-                ax.set_xscale("symlog", linthresh=1.0)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("final test accuracy (agents' mean)")
-        written.append(finish(fig, axes, name, f"final accuracy vs {xlabel} (mean over seeds, bar: min-max)"))
-    return written
+            for ax, (column, _) in zip(axes[facets.index(f)], models):
+                xs = np.array([_num(r[xcol]) for r in runs]) / scale
+                ys = np.array([_num(r.get(column)) for r in runs])
+                xs_all.extend(xs)
+                bar = np.clip([[ys.mean() - ys.min()], [ys.max() - ys.mean()]], 0, None)  # not -1e-17
+                ax.errorbar(xs.mean(), ys.mean(), yerr=bar if len(runs) > 1 else None, capsize=3,
+                            fmt=markers[style_of.get(st, 0) % len(markers)], color=colors.get(h, "C0"),
+                            label=label(h, st))
+                ax.set_xlabel(xlabel.format(unit))
+                ax.set_ylabel("final test accuracy")
+        if "{}" in xlabel:
+            for ax in (ax for row in axes for ax in row):
+                _format_bytes_axis(ax, logx, xs_all)
+        figures[name] = finish(fig, axes, f"final test accuracy vs {xlabel.format('bytes')} "
+                                          f"({_seed_note(groups, 'bar')})")
+    return figures
+
+
+def plot_sweep(folder, out=None) -> list[str]:
+    """The sweep figures from ``folder/results.csv`` and the runs' metrics.csv.
+
+    Runs are grouped by their varying keys except the seed; curves show the
+    mean over seeds with a band from the lowest to the highest seed (when a
+    group has more than one). To stay readable with many groups, the varying
+    key with the most values sets the colour, the next one the line style /
+    marker, and any further keys split the figure into panels; a key that
+    varies only together with another (a zip group) is shown through that
+    one. Accuracy figures have two panels side by side: the agents' own
+    models (mean) and the average model x̄. Writes accuracy_vs_epoch.png,
+    consensus_vs_epoch.png, accuracy_vs_spectral_gap.png,
+    accuracy_vs_effective_neighbours.png (when results.csv has the column) and
+    accuracy_vs_bytes.png (log axis with 1-2-5 ticks in kB/MB/GB when the
+    runs' bytes span 10x or more).
+    """
+    from pathlib import Path
+
+    out = Path(out or folder)
+    return [save_figure(fig, out / name, "figure") for name, fig in sweep_figures(folder).items()]
