@@ -38,7 +38,7 @@ import torch
 from .config import VOLATILE_KEYS
 from .files import atomic_write
 
-__all__ = ["FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk", "load", "prune",
+__all__ = ["EXTENDABLE_KEYS", "FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk", "load", "prune",
            "config_for_checkpoint", "config_mismatch", "remove_all"]
 
 #: the format tag every checkpoint carries (2: per-agent train-loss sums and the bytes across processes)
@@ -92,9 +92,18 @@ def remove_all(out) -> None:
     shutil.rmtree(_root(out), ignore_errors=True)
 
 
+#: keys a resumed run may change beyond the volatile ones: ``epochs`` (a finished run can be extended)
+EXTENDABLE_KEYS = ("epochs",)
+
+
 def config_for_checkpoint(cfg_dict: dict) -> dict:
-    """The config values a checkpoint must agree on (all keys except :data:`VOLATILE_KEYS`)."""
-    return {k: v for k, v in cfg_dict.items() if k not in VOLATILE_KEYS}
+    """The config values a checkpoint must agree on (all keys except :data:`VOLATILE_KEYS` and ``epochs``).
+
+    ``epochs`` may grow on resumption: the steps already taken are the same
+    whatever the run's length (no schedule depends on it), so a run resumed
+    with more epochs continues exactly as a longer run would have.
+    """
+    return {k: v for k, v in cfg_dict.items() if k not in VOLATILE_KEYS and k not in EXTENDABLE_KEYS}
 
 
 def config_mismatch(saved: dict, current: dict) -> str | None:

@@ -20,7 +20,9 @@ from .testing import free_port  # noqa: F401 - public here too, as before
 
 __all__ = ["main", "build_parser"]
 
-EPILOG = """exit status: 0 success, 1 runtime failure, 2 bad usage or invalid input.
+EPILOG = """exit status: 0 success, 1 runtime failure (a run that diverged included), 2 bad usage or invalid
+input (a missing config, sweep or graph file included), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM.
+Config keys are given as key=value after the verb, without dashes: cdsgd run lr=0.1 epochs=5.
 Run 'cdsgd VERB --help' for a verb's options."""
 
 
@@ -59,12 +61,18 @@ def _add_run(sub) -> None:
 
 
 def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.toml] [key=value ...]`` → (the config file or None, the overrides)."""
+    from .config import config_keys
+
     path, overrides = None, []
     for i, a in enumerate(args):
         if i == 0 and (a.endswith(".toml") or os.path.isfile(a)):
             path = a  # the config file (its path may contain '=')
         elif "=" in a:
             overrides.append(a)
+        elif a in config_keys() or a.split(".")[0] in config_keys():
+            after = args[i + 1] if i + 1 < len(args) else "VALUE"
+            raise ValueError(f"{a!r} is a config key: write {a}={after} (one word, no spaces around '=')")
         elif i == 0:
             path = a
         else:
@@ -89,9 +97,12 @@ def _cmd_run(args) -> int:
         v = summary.get(key)
         return "nan" if v is None else format(v, fmt)
 
+    from .progress import format_seconds
+
     print(f"test accuracy {num('test_accuracy', '.4f')} (average model {num('test_accuracy_avg_model', '.4f')}), "
-          f"consensus distance {num('consensus_distance', '.4g')}, {num('wall_seconds', '.1f')} s; "
-          f"results in {summary['out']}")
+          f"consensus distance {num('consensus_distance', '.4g')}; {format_seconds(summary['total_seconds'])} in all "
+          f"({format_seconds(summary['train_seconds'])} training, {format_seconds(summary['eval_seconds'])} "
+          f"evaluation); results in {summary['out']}")
     return 0
 
 
@@ -113,7 +124,7 @@ def _add_launch(sub) -> None:
         "  cdsgd launch --nproc-per-node 5 experiments/paper/fashion_mnist_ring_iid.toml epochs=1\n"
         "  cdsgd launch --nproc-per-node 2 n_agents=64 topology=ring     # 32 agents in each process\n"
         "  cdsgd launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 "
-        "--master-port 29500 n_agents=4\n"
+        "--master-port 29500 n_agents=4 out=runs/two-nodes\n"
         "docs: docs/distributed.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -127,6 +138,8 @@ def _add_launch(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun's elastic restarts after a rank fails (default 0); restarted ranks resume "
                    "from the latest complete checkpoint (checkpoint_every=...)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config and the process layout, print the torchrun command, and exit")
     p.set_defaults(func=_cmd_launch)
 
 
@@ -158,6 +171,14 @@ def _cmd_launch(args) -> int:
     from torch.distributed import run as torchrun
 
     argv = launch_argv(args, overrides, path)
+    if args.dry_run:
+        import shlex
+
+        print("python -m torch.distributed.run " + shlex.join(argv))
+        print(f"{world} process(es), {cfg.n_agents // world} agent(s) each")
+        return 0
+    # torchrun sets OMP_NUM_THREADS=1 (with a banner) when it is unset; give each worker its share of the cores
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
     t0 = time.perf_counter()
     try:
         torchrun.main(argv)
@@ -223,10 +244,11 @@ def _add_plot(sub) -> None:
     p = sub.add_parser(
         "plot",
         help="draw the figures of a run or a sweep",
-        description="For a run folder (with metrics.csv): curves.png (test accuracy and consensus distance "
-        "vs epoch). For a sweep folder: accuracy_vs_epoch.png, consensus_vs_epoch.png (log scale), "
-        "accuracy_vs_spectral_gap.png, accuracy_vs_effective_neighbours.png and accuracy_vs_bytes.png, with "
-        "mean and min-max over seeds, and "
+        description="For a run folder (with metrics.csv): curves.png (test accuracy of the agents and of "
+        "the average model, training and test loss, consensus distance vs epoch). For a sweep folder: "
+        "accuracy_vs_epoch.png, consensus_vs_epoch.png, accuracy_vs_spectral_gap.png, "
+        "accuracy_vs_effective_neighbours.png and accuracy_vs_bytes.png (the agents' mean accuracy and the "
+        "average model's side by side; mean and min-max band over seeds when a group has several), and "
         "table.md: the final metrics per group of runs (mean ± std over seeds).",
         epilog="example: cdsgd plot runs/topology",
     )
@@ -246,12 +268,16 @@ def _cmd_plot(args) -> int:
         raise ValueError(f"{args.folder!r} is not a folder")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    if (folder / "metrics.csv").exists():
-        files = plot_run(folder, args.out)
-    else:
+    runs = [d for d in folder.iterdir() if d.is_dir() and (d / "metrics.csv").exists()]
+    single = (folder / "metrics.csv").exists()
+    files = plot_run(folder, args.out) if single else []
+    if runs or not single:
+        if single:  # a run written into a sweep folder (earlier releases allowed it): draw both, and say so
+            print(f"cdsgd plot: {args.folder!r} holds a run's metrics.csv and {len(runs)} run folder(s); "
+                  "drawing both (write single runs elsewhere)", file=sys.stderr)
         if not (folder / "results.csv").exists():
             collect(folder)
-        files = plot_sweep(folder, args.out)
+        files += plot_sweep(folder, args.out)
         from .sweep import group_table
 
         table = Path(args.out or folder) / "table.md"
@@ -266,6 +292,8 @@ def _cmd_plot(args) -> int:
 
 
 def _add_data(sub) -> None:
+    from .config import key_info
+
     p = sub.add_parser(
         "data",
         help="show how a data set splits among agents",
@@ -273,12 +301,12 @@ def _add_data(sub) -> None:
         epilog="example: cdsgd data digits --agents 5 --partition classes",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dataset", metavar="DATASET", help="digits, mnist, fashion-mnist, cifar10, cifar100, synthetic")
+    p.add_argument("dataset", metavar="DATASET", help=key_info("dataset")["help"])
     p.add_argument("--agents", type=int, default=5, help="number of agents (default 5)")
     p.add_argument("--partition", default="iid", help="iid, classes or dirichlet (default iid)")
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
     p.add_argument("--min-size", type=int, default=10, help="dirichlet: least samples per agent (default 10)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the partition's random draws (default 0)")
     p.add_argument("--data-dir", default="data", help="where data files are looked for (default: data)")
     p.add_argument("--download", action="store_true", help="download missing files (SHA-256 verified)")
     p.set_defaults(func=_cmd_data)
@@ -309,8 +337,24 @@ def _cmd_data(args) -> int:
 _VERBS = (_add_run, _add_launch, _add_sweep, _add_plot, _add_data, _add_topo, _add_export)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a hint when a config key was written as an option (``--lr=0.1``)."""
+
+    def error(self, message: str):
+        import re
+
+        from .config import config_keys
+
+        for name, value in re.findall(r"--([A-Za-z][\w.-]*)(?:=(\S+))?", message):
+            key = name.replace("-", "_")
+            if key in config_keys() or key.split(".")[0] in config_keys():
+                message += f"\nhint: config keys are written key=value, without dashes: {key}={value or 'VALUE'}"
+                break
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cdsgd",
         description="Decentralized collaborative learning (CDSGD/CDMSGD) over a fixed communication graph.",
         epilog=EPILOG,
@@ -321,7 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for add in _VERBS:
         add(sub)
+    for verb in sub.choices.values():  # 'cdsgd run --debug' as well as 'cdsgd --debug run'
+        verb.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="show Python tracebacks on errors")
     return parser
+
+
+def _input_error(e: BaseException) -> bool:
+    """Errors in what the user gave (exit status 2): bad values, and files that are not there."""
+    return isinstance(e, (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout has gone (``cdsgd topo ... | head``): later writes, and the exit's flush, go nowhere."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _terminate(signum, frame) -> None:
@@ -347,18 +407,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt as e:
         from .experiment import Terminated
+        from .progress import safe_stream
 
         term = isinstance(e, Terminated)
         rank = os.environ.get("RANK") if "TORCHELASTIC_RUN_ID" in os.environ else None
         who = f"cdsgd {args.verb}" + (f" (rank {rank})" if rank is not None else "")
         detail = f" ({e})" if str(e) else ""
-        print(f"{who}: {'stopped by SIGTERM' if term else 'interrupted'}{detail}", file=sys.stderr)
+        print(f"{who}: {'stopped by SIGTERM' if term else 'interrupted'}{detail}", file=safe_stream(sys.stderr))
         return 143 if term else 130
+    except BrokenPipeError:
+        _quiet_stdout()  # the output was cut short by its reader, as asked: not an error
+        return 0
     except Exception as e:
+        from .progress import safe_stream
+
+        status = 2 if _input_error(e) else 1
         if args.debug:
-            raise
-        status = 2 if isinstance(e, ValueError) else 1
-        print(f"cdsgd {args.verb}: error: {e}", file=sys.stderr)
+            import traceback
+
+            traceback.print_exc()
+        print(f"cdsgd {args.verb}: error: {e}", file=safe_stream(sys.stderr))
         return status
     finally:
         if args.verb == "run" and threading.current_thread() is threading.main_thread():

@@ -95,7 +95,8 @@ class Config:
     bucket_rule: str = key("optimal", "bucket boundaries: optimal (least padding) | quantile | uniform",
                            registry="bucket_rule")
     # --- model
-    model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru", registry="model",
+    model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru | "
+                     "package.module:factory (your own)", registry="model",
                      identity=True)
     model_params: dict = key({}, "model options, e.g. {hidden = 32, layers = 1, packed = true}")
     # --- optimisation

@@ -28,7 +28,9 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -39,14 +41,16 @@ from . import __version__
 from . import checkpoint as ckpt
 from .config import Config, dump_config, load_config, short_value
 from .data import random_crop_flip
-from .executor import METRIC_COLUMNS, Executor
+from .executor import METRIC_COLUMNS, Diverged, Executor
 from .executor.evaluation import default_eval_agents
 from .files import atomic_write
+from .logger import make_logger
 from .plan import Parts, Plan, hyperparameters, prepare, validate_config
+from .progress import Progress, format_seconds, pick_mode, safe_stream
 from .comm import CommError
 from .runtime.group import Group, LocalGroup, Terminated, join
 
-__all__ = ["CHECKPOINT_UNITS", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
+__all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
 
 #: executors ``cdsgd run`` knows (the distributed runtime adds "torch")
@@ -57,8 +61,8 @@ CHECKPOINT_UNITS = ("epochs", "steps")
 
 def default_out(cfg: Config) -> str:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    topo = short_value(cfg.topology)
-    return os.path.join("runs", f"{cfg.algorithm}-{topo}-{cfg.dataset}-{stamp}")
+    name = f"{cfg.algorithm}-{short_value(cfg.topology)}-{short_value(cfg.dataset)}-{stamp}"
+    return os.path.join("runs", re.sub(r"[^\w.=+-]", "_", name))  # "mine:blobs" (the user's loader) → "mine_blobs"
 
 
 def _prepare_out(cfg: Config, *, resume: bool = False) -> str:
@@ -75,9 +79,15 @@ def _prepare_out(cfg: Config, *, resume: bool = False) -> str:
                                     ckpt.config_for_checkpoint(cfg.__dict__))
         if diff:
             raise ValueError(f"cannot resume into {str(out)!r}: it holds a run with another config ({diff})")
-    elif out.is_dir() and any(out.iterdir()) and not cfg.overwrite and not resume:
-        raise ValueError(f"output folder {str(out)!r} is not empty; choose another out=, set overwrite=true, "
-                         "or resume=true to continue the run there")
+    elif out.is_dir() and any(out.iterdir()) and not resume:
+        sweep = (out / "results.csv").is_file() or any((d / "config.toml").is_file() for d in out.iterdir()
+                                                      if d.is_dir() and d.name != "checkpoints")
+        if sweep:  # overwrite=true would mix one run's files among the runs of a sweep
+            raise ValueError(f"output folder {str(out)!r} holds a sweep (results.csv or run folders); "
+                             "a run cannot be written into it, even with overwrite=true: choose another out=")
+        if not cfg.overwrite:
+            raise ValueError(f"output folder {str(out)!r} is not empty; choose another out=, set overwrite=true, "
+                             "or resume=true to continue the run there")
     out.mkdir(parents=True, exist_ok=True)
     return str(out)
 
@@ -133,7 +143,21 @@ def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
 
 
 def _default_log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(msg, file=safe_stream(sys.stderr), flush=True)  # a reader gone away stops the output, not the run
+
+
+def _write_failure(out: Path, cfg: Config, e: BaseException, started: float) -> None:
+    """A summary.json for a run that stopped before training (e.g. its data failed to load)."""
+    if (out / "summary.json").exists():
+        return
+    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+    summary = {"status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
+               "out": str(out), **cfg.identity(), "executor": cfg.executor,
+               "total_seconds": time.perf_counter() - started, "torch_version": torch.__version__,
+               "cdsgd_version": __version__}
+    if not (out / "config.toml").exists():
+        atomic_write(out / "config.toml", dump_config(cfg))
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[str], None] | None = None,
@@ -145,31 +169,34 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
     agent j, rank 0 writes the output folder, the others write nothing there.
     Both go through the same steps; only the :class:`~cdsgd.runtime.Group` differs.
 
-    ``progress``: a tqdm bar (default: when stderr is a terminal); otherwise
-    one log line per evaluation through ``log`` (default: print to stderr).
+    ``progress``: a tqdm bar with evaluation lines above it (default: when
+    stderr is a terminal of known size); otherwise lines through ``log``
+    (default: print to stderr): one per evaluation and, between them, one
+    at most every 30 s with the step and the ETA (:mod:`cdsgd.progress`).
+    A run that meets a non-finite loss or parameter stops with status
+    ``diverged`` and raises :class:`Diverged` naming the step and agent.
     ``plan``: the result of :func:`validate_config` for this config, if the
     caller has it already (the config is validated once per run).
     """
+    started = time.perf_counter()
     log = log or _default_log
-    if progress is None:
-        progress = sys.stderr.isatty()
     plan = plan if plan is not None else validate_config(cfg)
     if cfg.exact:
         torch.set_num_threads(1)  # as each torchrun worker: identical rounding in both executors
     group = join(device=cfg.device, comm_timeout=cfg.comm_timeout, n_agents=cfg.n_agents) \
         if cfg.executor == "torch" else LocalGroup()
-    completed = False
+    completed, out = False, None
     try:
+        mode = pick_mode(sys.stderr, progress) if group.rank == 0 else "off"
         if group.rank != 0:
             log = lambda msg: None  # noqa: E731 - only rank 0 talks
-            progress = False
         resume = cfg.resume or group.attempt > 0
         if group.attempt > 0:
             log(f"cdsgd run: attempt {group.attempt + 1} after a restart: resuming from the latest complete "
                 "checkpoint" + ("" if cfg.checkpoint_every else " (checkpoint_every=0: none, so from step 0)"))
+        parts = prepare(cfg, plan)  # the data loads before the output folder exists: a missing file leaves none
         out = Path(group.decide(lambda: _prepare_out(cfg, resume=resume)))
         cfg = Config(**{**cfg.__dict__, "out": str(out)})
-        parts = prepare(cfg, plan)
         sim = make_executor(cfg, parts, group)
         if not resume:
             ckpt.remove_all(out)  # an earlier run's checkpoints (overwrite=true) must never be resumed into this one
@@ -178,7 +205,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
                      "parameter count": sim.layout.numel,
                      "config": dump_config(Config(**{**cfg.__dict__, "resume": False}))})
         payload = _find_checkpoint(cfg, out, group, log=log) if resume else None
-        summary = _drive(cfg, sim, parts, out, group, progress=progress, log=log, resume=payload)
+        summary = _drive(cfg, sim, parts, out, group, mode=mode, log=log, resume=payload, started=started)
         completed = True
         return summary
     except CommError as e:
@@ -188,6 +215,8 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
             raise
         raise Terminated(group.diagnose(e).message) from None
     finally:
+        if not completed and out is not None and group.rank == 0:
+            _write_failure(out, cfg, sys.exc_info()[1], started)  # a no-op once _drive has written its summary
         if completed:
             group.close()
         else:
@@ -198,14 +227,36 @@ def _csv_row(row: dict) -> dict:
     return {k: repr(v) if isinstance(v, float) else v for k, v in row.items()}
 
 
-def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *, progress: bool,
-           log: Callable[[str], None], resume: dict | None = None) -> dict:
+def _eval_hint(cfg: Config, sim: Executor) -> str:
+    """When evaluation took longer than training: the keys that make it cheaper."""
+    train, evaluation = sim._wall, sim.eval_seconds
+    if evaluation <= train:
+        return ""
+    return (f"evaluation took {format_seconds(evaluation)} against {format_seconds(train)} of training; "
+            f"it evaluates {len(sim.eval_agents)} agent(s) on {len(sim.test_set[1]) if sim.test_set else 0} "
+            f"test samples every {cfg.eval_every} epoch(s): eval_agents=, eval_samples= or eval_every= make it "
+            "cheaper (docs/running.md)")
+
+
+def _resume_hint(cfg: Config, out: Path, world: int) -> str:
+    """How to continue an interrupted run."""
+    verb = f"cdsgd launch --nproc-per-node {world}" if cfg.executor == "torch" else "cdsgd run"
+    how = f"{verb} {out / 'config.toml'} resume=true"
+    if not cfg.checkpoint_every:
+        return (f"it wrote no checkpoints (checkpoint_every=0), so '{how}' would start over; "
+                "set checkpoint_every= to make runs resumable")
+    return f"continue it with: {how}"
+
+
+def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *, mode: str,
+           log: Callable[[str], None], resume: dict | None = None, started: float | None = None) -> dict:
     """Run the executor; rank 0 writes config.toml, metrics.csv, summary.json (and params.pt).
 
     Every process writes its own checkpoints (``checkpoint_every``).
     ``resume``: a checkpoint payload to continue from; its metrics rows are
     written again, and the run goes on from its step.
     """
+    started = time.perf_counter() if started is None else started
     writer, rank, world = group.rank == 0, group.rank, group.world
     total = max(1, round(cfg.epochs * sim.steps_per_epoch))
     every = _checkpoint_steps(cfg, sim.steps_per_epoch)
@@ -224,17 +275,19 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         "steps_per_epoch": sim.steps_per_epoch,
         "strategy": sim.strategy,
         "evaluated_agents": sim.eval_agents,
+        "warnings": list(parts.plan.notes),
         "torch_version": torch.__version__,
         "cdsgd_version": __version__,
     }
     rows: list[dict] = []
+    before = 0.0  # seconds the run took before its checkpoint (a resumed run's total counts them)
     if resume is not None:
         sim.load_state_dict(resume["simulator"])
         if sim.k > total:
-            raise ValueError(f"the checkpoint is of step {sim.k}, beyond this run's {total} steps")
+            raise ValueError(f"the checkpoint is of step {sim.k}, beyond this run's {total} steps "
+                             f"(epochs={cfg.epochs:g}); a run can be extended, not shortened")
         rows = [dict(r) for r in resume["rows"]]
-        if resume.get("diverged_at_step"):
-            summary["diverged_at_step"] = resume["diverged_at_step"]
+        before = float(resume.get("total_seconds", 0.0))
         summary["resumed_from_step"] = sim.k
     if writer:
         atomic_write(out / "config.toml", dump_config(cfg))
@@ -244,12 +297,17 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         + (f" ({cfg.n_agents // world} agent(s) in each of {world} processes)" if world > 1 else "")
         + f", output {out}"
         + (f", checkpoint every {every} steps" if every else ""))
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=sim.k, unit="step", file=sys.stderr, dynamic_ncols=True)
+    for note in parts.plan.notes:
+        log(f"warning: {note}")
+    eval_steps = cfg.eval_every * sim.steps_per_epoch
+    shown = Progress(total=total, every=eval_steps, mode=mode, log=log, initial=sim.k,
+                     timing=lambda: (sim._wall, sim.eval_seconds, len(rows) - len(resume["rows"] if resume else [])))
+    board = make_logger(cfg.logger if writer else "none", out,
+                        purge_step=(sim.k + 1) if resume is not None else (0 if cfg.overwrite else None))
+    board.text("config", dump_config(cfg))
+    board.replay(rows)  # a resumed run's rows (those the stopped run logged already are kept as they are)
     f = open(out / "metrics.csv", "w", newline="") if writer else None
+    hinted = False
     try:
         csv_writer = None
         if f is not None:
@@ -260,54 +318,71 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             os.fsync(f.fileno())
 
         def on_row(row: dict) -> None:
+            nonlocal hinted
             rows.append(row)
-            if not math.isfinite(row["train_loss"]) and not summary.get("diverged_at_step"):
-                summary["diverged_at_step"] = row["step"]
-                log(f"warning: the training loss is {row['train_loss']} at step {row['step']}: the run diverged "
-                    f"(lower lr={cfg.lr} or momentum={cfg.momentum})")
+            board.row(row)
             if csv_writer is not None:
                 csv_writer.writerow(_csv_row(row))
                 f.flush()
                 os.fsync(f.fileno())
-            if bar is not None:
-                bar.set_postfix_str(f"acc {row['test_accuracy']:.3f}")
-            else:
-                log(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
-                    f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
-                    f"consensus {row['consensus_distance']:.3g}")
+            shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
+                      f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
+                      f"consensus {row['consensus_distance']:.3g}", row)
+            if not hinted and _eval_hint(cfg, sim):
+                hinted = True
+                shown.note(f"note: {_eval_hint(cfg, sim)}")
 
-        def after_step(k: int) -> None:
-            if not every or k % every:
-                return
+        def on_step(k: int) -> None:
+            shown.step(k)
+            board.train_loss(k, sim.last_loss)
+
+        def save_checkpoint(k: int) -> None:
             state = {"config": ckpt.config_for_checkpoint(cfg.__dict__), "world": world,
                      "simulator": sim.state_dict(), "rows": rows,
-                     "diverged_at_step": summary.get("diverged_at_step")}
+                     "total_seconds": before + time.perf_counter() - started}
             ckpt.save(out, k, rank, state)
             sim.reducer.barrier(f"checkpoint of step {k} (waiting for every rank to write its file)")
             ckpt.prune(out, rank, keep=k)  # step k is complete on every rank: older ones are not needed
 
+        def after_step(k: int) -> None:
+            if every and (k % every == 0 or k == total):  # and at the end: a finished run can be extended
+                save_checkpoint(k)
+
         try:
             if total > sim.k:
-                sim.run(steps=total - sim.k, eval_every=cfg.eval_every * sim.steps_per_epoch, callback=on_row,
-                        progress=(lambda k: bar.update(1)) if bar is not None else None, after_step=after_step)
+                sim.run(steps=total - sim.k, eval_every=eval_steps, callback=on_row, progress=on_step,
+                        after_step=after_step)
             if cfg.save_params:
                 params = sim.reducer.gather(sim.X)
                 if writer:
                     atomic_write(out / "params.pt", lambda f: torch.save(params.cpu(), f))
             summary["status"] = "completed"
+        except Diverged as e:
+            summary.update(status="diverged", error=str(e), diverged_at_step=e.step, diverged_agent=e.agent,
+                           diverged_what=e.what)
+            shown.close()
+            log(f"cdsgd run: stopped at step {e.step} of {total}, status diverged; try a lower lr={cfg.lr:g}"
+                + (f" or momentum={cfg.momentum:g}" if "momentum" in hyperparameters(cfg) else ""))
+            raise
         except (Exception, KeyboardInterrupt) as e:
             failure = group.diagnose(e)
             summary["error"], summary["status"] = failure.message, failure.status(e)
+            if summary["status"] == "interrupted":
+                shown.close()
+                log(f"cdsgd run: interrupted at step {sim.k} of {total}; {_resume_hint(cfg, out, world)}")
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            shown.close()
+            board.close()
             final = rows[-1] if rows else {}
             accs = [r["test_accuracy"] for r in rows if not math.isnan(r["test_accuracy"])]
             summary.update({k: _json_number(v) for k, v in final.items()})
             summary["best_test_accuracy"] = max(accs) if accs else None
             summary["evaluations"] = len(rows)
-            summary["eval_bytes_per_agent"] = sim.reducer.bytes
+            summary["train_seconds"] = sim._wall
+            summary["eval_seconds"] = sim.eval_seconds
+            summary["total_seconds"] = before + time.perf_counter() - started
+            summary["eval_bytes_per_agent"] = int(round(sim.reducer.bytes))
             summary["bytes_across_processes"] = sim.bytes_across_processes
             if writer:
                 atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -29,7 +29,8 @@ def describe_launch_failure(e: Exception) -> str:
 
     sigval = getattr(e, "sigval", None)
     if sigval is not None:  # the launcher itself got SIGTERM/SIGINT: torchrun stopped every worker
-        return f"stopped by {signal.Signals(sigval).name}; every rank was sent SIGTERM"
+        name = signal.Signals(sigval).name  # torchrun passes the signal it got on to every worker
+        return f"stopped by {name}; every rank was sent {name}"
     failures = getattr(e, "failures", None)
     if not failures:
         return f"workers failed ({type(e).__name__}: {e})"

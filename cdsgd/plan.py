@@ -40,7 +40,7 @@ from .data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequen
 from .data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
 from .logger import check_logger
 from .mixing import DENSE_UP_TO
-from .models import MODELS, build_model, check_model_options, import_callable, is_import_path
+from .models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
 from .seeding import generator
 
 __all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "hyperparameters", "load_config_dataset", "prepare",
@@ -245,7 +245,12 @@ def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
     def model_fn():
         return build_model(cfg.model, ds.input_shape, ds.n_classes, **cfg.model_params)
 
-    model_fn()  # options that depend on the data's shape fail here
+    model = model_fn()  # options that depend on the data's shape fail here
+    if len(ds.input_shape) == 2 and not is_import_path(cfg.model) and not isinstance(model, SequenceClassifier):
+        note = (f"model {cfg.model!r} reads each padded sequence of {cfg.dataset!r} as one flat vector (lengths "
+                f"and order are lost); the sequence models are lstm, gru and pgru")
+        if note not in plan.notes:
+            plan.notes.append(note)
     return Parts(plan=plan, dataset=ds, shards=shards, test_set=(test_x, test_y), model_fn=model_fn,
                  **_bucketed_streams(cfg, ds, shards))
 

@@ -27,8 +27,8 @@ contract) under the sweep folder, named readably and stably from its varying
 keys (``algorithm=cdsgd,seed=0,topology=ring,n_agents=9``, made file-safe).
 A run is identified by its resolved config (a digest of every key but
 ``out``/``overwrite``), not by its folder: re-running a sweep skips runs whose
-completed folder holds the same config, and reruns failed or interrupted
-ones. ``results.csv`` holds one row per run and can be rebuilt from the
+completed (or diverged) folder holds the same config, and reruns failed or
+interrupted ones. ``results.csv`` holds one row per run and can be rebuilt from the
 folders at any time (:func:`collect`).
 """
 
@@ -191,12 +191,19 @@ def _same_run(folder: Path, identity: str) -> bool:
         return False
 
 
-def _finished(folder: Path, identity: str) -> bool:
+#: the statuses of a run that is over: running it again would give the same result
+FINISHED = ("completed", "diverged")
+
+
+def _status(folder: Path) -> dict:
     try:
-        summary = json.loads((folder / "summary.json").read_text())
+        return json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError):
-        return False
-    return summary.get("status") == "completed" and _same_run(folder, identity)
+        return {}
+
+
+def _finished(folder: Path, identity: str) -> bool:
+    return _status(folder).get("status") in FINISHED and _same_run(folder, identity)
 
 
 def _last_error_line(text: str) -> str:
@@ -211,7 +218,9 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
 
     Each run is ``python -m cdsgd run CONFIG`` with its resolved config, so a
     crash or a bad run cannot take the others down. With J jobs each run gets
-    max(1, cores // J) threads. Returns {"done": [...], "skipped": [...], "failed": [(name, error)]}.
+    max(1, cores // J) threads. A run that diverged (status ``diverged``) is
+    over, not failed: it is listed apart and not run again. Returns
+    {"done": [...], "skipped": [...], "diverged": [(name, error)], "failed": [(name, error)]}.
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
@@ -224,7 +233,7 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
     if skipped:
         log(f"cdsgd sweep: {len(skipped)} of {len(runs)} runs already finished (same config): skipped")
     log(f"cdsgd sweep: running {len(todo)} runs, {jobs} at a time, {threads} thread(s) each, in {out}")
-    failed, done = [], []
+    failed, done, diverged = [], [], []
 
     def one(r: SweepRun) -> tuple[SweepRun, bool, str, float]:
         r.folder.mkdir(parents=True, exist_ok=True)
@@ -250,15 +259,20 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
             if ok:
                 done.append(name)
                 log(f"[{i}/{len(todo)}] done    {name} ({secs:.0f} s): {msg}")
+            elif _status(r.folder).get("status") == "diverged":
+                diverged.append((name, _status(r.folder).get("error", msg)))
+                log(f"[{i}/{len(todo)}] DIVERGED {name} ({secs:.0f} s): {diverged[-1][1]}")
             else:
                 failed.append((name, msg))
                 log(f"[{i}/{len(todo)}] FAILED  {name} ({secs:.0f} s): {msg}")
     rows = collect(out)
-    log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(failed)} failed; "
+    log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(diverged)} diverged, {len(failed)} failed; "
         f"{len(rows)} rows in {out / 'results.csv'}")
+    for name, msg in diverged:
+        log(f"  diverged: {name}: {msg}")
     for name, msg in failed:
         log(f"  failed: {name}: {msg}")
-    return {"done": done, "skipped": [r.folder.name for r in skipped], "failed": failed}
+    return {"done": done, "skipped": [r.folder.name for r in skipped], "diverged": diverged, "failed": failed}
 
 
 def collect(out: str | os.PathLike) -> list[dict]:

@@ -20,9 +20,9 @@ LAYERS = [
     ["cdsgd.models"],
     ["cdsgd.executor", "cdsgd.simulator"],
     ["cdsgd.runtime"],
-    ["cdsgd.logger"],
+    ["cdsgd.logger", "cdsgd.progress"],
     ["cdsgd.plan", "cdsgd.experiment"],
-    ["cdsgd.sweep", "cdsgd.plotting", "cdsgd.export"],
+    ["cdsgd.sweep", "cdsgd.plotting", "cdsgd.topology_drawing", "cdsgd.export"],
     ["cdsgd.cli", "cdsgd.cli_topo", "cdsgd.cli_export", "cdsgd.__main__"],
 ]
 

@@ -76,7 +76,7 @@ def test_file_input_and_draw(tmp_path):
         (["topo", "ring"], 2, "topology 'ring' needs the number of nodes n"),
         (["topo", "ring", "--n", "8", "--rule", "nope"], 2, "mixing rule 'nope' is unknown"),
         (["topo", "ring", "--n", "8", "--param", "novalue"], 2, "--param expects KEY=VALUE, got 'novalue'"),
-        (["topo", "missing.edgelist"], 1, "graph file 'missing.edgelist' does not exist"),
+        (["topo", "missing.edgelist"], 2, "graph file 'missing.edgelist' does not exist"),
         (["topo", "ring", "--n", "eight"], 2, "invalid int value: 'eight'"),
         (["nosuchverb"], 2, "invalid choice: 'nosuchverb'"),
     ],

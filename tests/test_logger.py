@@ -301,3 +301,28 @@ def test_without_the_package_the_core_imports_and_tensorboard_says_how_to_instal
 def test_docstring_examples():
     result = doctest.testmod(L, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+@needs_tensorboard
+def test_a_run_with_logger_tensorboard_logs_what_metrics_csv_holds(tmp_path):
+    """End to end: every metrics.csv column per evaluation, and one training loss per step, read back."""
+    import csv
+
+    from cdsgd.config import load_config
+    from cdsgd.experiment import run_experiment
+
+    out = tmp_path / "run"
+    s = run_experiment(load_config(overrides=["dataset=synthetic", "model=logreg", "n_agents=4", "epochs=2",
+                                              "batch_size=16", "logger=tensorboard", f"out={out}"]),
+                       progress=False, log=lambda m: None)
+    with open(out / "metrics.csv", newline="") as f:
+        rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    got = _scalars(out)
+    for column in METRIC_COLUMNS:
+        if column != "step":
+            _assert_series(got[L.row_tag(column)], [(int(r["step"]), r[column]) for r in rows], column)
+    losses = got[L.LOSS_TAG]
+    assert [step for step, _ in losses] == list(range(1, 2 * s["steps_per_epoch"] + 1))
+    # the mean of the per-step losses since the last evaluation is that row's train_loss (float32 rounding)
+    first = [v for step, v in losses if step <= rows[0]["step"]]
+    assert sum(first) / len(first) == pytest.approx(rows[0]["train_loss"], rel=1e-5)

@@ -116,7 +116,7 @@ def test_print_config_and_bad_input_exit_codes(tmp_path, capsys):
     assert load_config(p).lr == 0.5
     assert cli.main(["run", "lrr=0.5"]) == 2
     assert "config key 'lrr' is unknown; did you mean 'lr'?" in capsys.readouterr().err
-    assert cli.main(["run", str(tmp_path / "missing.toml")]) == 1
+    assert cli.main(["run", str(tmp_path / "missing.toml")]) == 2  # input errors exit 2, a missing file too
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -169,12 +169,17 @@ def test_end_to_end_fashion_mnist(tmp_path):
     assert summary["test_accuracy_avg_model"] > 0.75, summary
 
 
-def test_diverged_run_still_reports(tmp_path):
-    """A run whose loss becomes NaN finishes, says it diverged, and the CLI prints nan (no crash)."""
+def test_diverged_run_stops_and_says_so(tmp_path):
+    """A run whose loss becomes NaN stops at that step with status diverged, names step and agent, exits 1."""
     out = tmp_path / "div"
-    r = subprocess.run([sys.executable, "-m", "cdsgd", "run", *SMALL, "model=mlp", "lr=1e10", "algorithm=local", f"out={out}",
-                        "--no-progress"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "the run diverged" in r.stderr and "consensus distance nan" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "cdsgd", "run", *SMALL, "model=mlp", "lr=1e10", "algorithm=local",
+                        f"out={out}", "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["diverged_at_step"] >= 1 and summary["train_loss"] is None
+    rows = read_metrics(out)
+    step, agent = summary["diverged_at_step"], summary["diverged_agent"]
+    assert summary["status"] == "diverged" and summary["train_loss"] is None
+    assert f"agent {agent}'s {summary['diverged_what']} became non-finite at step {step}" in r.stderr
+    # it stopped at that very step: the last row is that step's, the rows before it are finite
+    assert rows[-1]["step"] == step < summary["steps_per_epoch"] * 2
+    assert all(math.isfinite(row["train_loss"]) for row in rows[:-1]) and math.isnan(rows[-1]["train_loss"])

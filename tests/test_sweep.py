@@ -144,7 +144,7 @@ dataset = ["digits", "mnist"]
     out = tmp_path / "out"
     assert cli.main(["sweep", str(spec), "--out", str(out), "--jobs", "2"]) == 1
     text = capsys.readouterr().out
-    assert "1 done, 0 skipped, 1 failed" in text
+    assert "1 done, 0 skipped, 0 diverged, 1 failed" in text
     assert "failed: dataset=mnist: cdsgd run: error: mnist: no folder holds all four IDX files" in text
     fields, rows = read_results(out)
     assert [r["run"] for r in rows] == ["dataset=digits"]

@@ -8,7 +8,7 @@ and random streams), :mod:`.gradients` (loop/vmap strategies),
 elsewhere).
 """
 
-from .core import INITS, Executor, SimulationResult, Simulator, simulate
+from .core import INITS, Diverged, Executor, SimulationResult, Simulator, simulate
 from .evaluation import METRIC_COLUMNS
 from .gradients import STRATEGIES
 from .reducer import Reducer
@@ -17,6 +17,7 @@ from .streams import AgentRNG, BatchStream
 __all__ = [
     "AgentRNG",
     "BatchStream",
+    "Diverged",
     "Executor",
     "INITS",
     "METRIC_COLUMNS",

@@ -65,12 +65,13 @@ from ..algorithms import Algorithm, algorithm_params, make_algorithm
 from ..checks import check_int
 from ..seeding import derive_seed, generator
 from . import evaluation
+from . import state as checkpoint_state
 from .agents import build_agents, make_mixer
 from .gradients import STRATEGIES, make_strategy
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream
 
-__all__ = ["INITS", "Executor", "SimulationResult", "Simulator", "simulate"]
+__all__ = ["INITS", "Diverged", "Executor", "SimulationResult", "Simulator", "simulate"]
 
 #: how agents' initial parameters relate (``init=``)
 INITS = ("same", "independent")
@@ -85,6 +86,14 @@ class SimulationResult:
     #: final N×P parameters
     params: torch.Tensor
     simulator: "Executor" = field(repr=False)
+
+
+class Diverged(ArithmeticError):
+    """The run met a non-finite training loss or parameter: ``step`` (1-based), ``agent``, ``what``."""
+
+    def __init__(self, step: int, agent: int, what: str) -> None:
+        self.step, self.agent, self.what = int(step), int(agent), what
+        super().__init__(f"the run diverged: agent {agent}'s {what} became non-finite at step {step}")
 
 
 class Executor:
@@ -238,6 +247,13 @@ class Executor:
         self._loss_sums = torch.zeros(len(self.agents), dtype=torch.float64)
         self._loss_counts = torch.zeros(len(self.agents), dtype=torch.float64)
         self._wall = 0.0
+        self.last_loss = float("nan")
+        #: seconds spent in evaluation (not part of wall_seconds, which counts training steps only)
+        self.eval_seconds = 0.0
+        # each held agent's first non-finite step (0: none) and whether its parameters (1) or loss (0) were so
+        self._nonfinite = torch.zeros(len(self.agents), 2, dtype=torch.float64)
+        #: set by the evaluation that first sees a non-finite loss or parameter: (step, agent, what)
+        self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
         self.bytes_across_processes = 0.0
 
@@ -269,8 +285,29 @@ class Executor:
         losses = losses.detach().double().cpu()
         self._loss_sums[active] += losses
         self._loss_counts[active] += 1
+        self._check_finite(active, losses)
         self._wall += time.perf_counter() - t0
-        return float(losses.mean()) if active else float("nan")
+        #: the mean batch loss of the agents held here at the last step (NaN if none stepped)
+        self.last_loss = float(losses.mean()) if active else float("nan")
+        return self.last_loss
+
+    def _check_finite(self, active: list[int], losses: torch.Tensor) -> None:
+        """Note each held agent's first step with a non-finite batch loss or parameter (one reduction per step)."""
+        if bool(self._nonfinite[:, 0].all()):
+            return  # every held agent is noted already
+        bad_loss = torch.zeros(len(self.agents), dtype=torch.bool)
+        bad_loss[active] = ~torch.isfinite(losses)
+        bad = bad_loss.clone()
+        if not bool(torch.isfinite(self.X).all()):
+            bad |= ~torch.isfinite(self.X.reshape(len(self.agents), -1)).all(dim=1).cpu()
+        new = bad & (self._nonfinite[:, 0] == 0)
+        self._nonfinite[new, 0] = self.k
+        self._nonfinite[new, 1] = (~bad_loss[new]).double()
+
+    @property
+    def nonfinite_here(self) -> bool:
+        """Whether an agent held here has met a non-finite loss or parameter (not yet agreed across processes)."""
+        return bool(self._nonfinite[:, 0].any())
 
     # --------------------------------------------------------------- evaluate
 
@@ -312,15 +349,18 @@ class Executor:
         every = self.steps_per_epoch if eval_every is None else check_int("eval_every", eval_every)
         rows = []
         end = self.k + total
+        alone = len(self.agents) == self.n_agents  # no other process: stop at the very step
         while self.k < end:
             self.step()
             if progress is not None:
                 progress(self.k)
-            if self.k % every == 0 or self.k == end:
+            if self.k % every == 0 or self.k == end or (alone and self.nonfinite_here):
                 row = self.evaluate()
                 rows.append(row)
                 if callback is not None:
                     callback(row)
+                if self.diverged is not None:
+                    raise Diverged(*self.diverged)
             if after_step is not None:
                 after_step(self.k)
         return rows
@@ -328,64 +368,16 @@ class Executor:
     # ------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict:
-        """Everything that decides the rest of the run, for the agents held here.
+        """Everything that decides the rest of the run, for the agents held here (:func:`cdsgd.executor.state.state_dict`).
 
-        Parameters, the algorithm's state (momentum), the step counter, the
-        train-loss window, the wall clock, each agent's data order (permutation,
-        position, generator), augmentation and dropout streams, and the bytes
-        counted so far. Only tensors, numbers, strings, lists and dicts: it
-        loads with ``torch.load(weights_only=True)``. Restoring it into a
-        Simulator built with the same arguments (:meth:`load_state_dict`)
-        continues bit for bit as if it had never stopped.
+        Restoring it into an executor built with the same arguments
+        (:meth:`load_state_dict`) continues bit for bit as if it had never stopped.
         """
-        return {
-            "k": self.k,
-            "agents": list(self.agents),
-            "n_agents": self.n_agents,
-            "numel": self.layout.numel,
-            "X": self.X.detach().cpu().clone(),
-            "algorithm": self.algorithm.name,
-            "algorithm_state": {name: t.detach().cpu().clone() for name, t in self.state.items()},
-            "loss_sums": self._loss_sums.clone(),
-            "loss_counts": self._loss_counts.clone(),
-            "wall": self._wall,
-            "streams": [s.state_dict() for s in self.streams],
-            "augment": [g.get_state() for g in self._augment_gens] if self._augment_gens else [],
-            "rng": [s.cpu() for s in self.rng.state_dict()],
-            "bytes_sent": self.mixer.bytes_sent.clone(),
-            "bytes_across": float(self.mixer.bytes_across),
-            "eval_bytes": float(self.reducer.bytes),
-        }
+        return checkpoint_state.state_dict(self)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, saved: dict) -> None:
         """Continue from :meth:`state_dict` of an executor built the same way; mismatches are ValueErrors."""
-        expect = {"agents": list(self.agents), "n_agents": self.n_agents, "numel": self.layout.numel,
-                  "algorithm": self.algorithm.name}
-        for key, want in expect.items():
-            if state.get(key) != want:
-                raise ValueError(f"checkpoint state has {key} = {state.get(key)!r}, this run has {want!r}")
-        if tuple(state["X"].shape) != tuple(self.X.shape):
-            raise ValueError(f"checkpoint parameters have shape {tuple(state['X'].shape)}, "
-                             f"this run {tuple(self.X.shape)}")
-        if sorted(state["algorithm_state"]) != sorted(self.state):
-            raise ValueError(f"checkpoint algorithm state holds {sorted(state['algorithm_state'])}, "
-                             f"this run {sorted(self.state)}")
-        with torch.no_grad():
-            self.X.copy_(state["X"])  # in place: the loop strategy's modules are views of X
-            for name, t in state["algorithm_state"].items():
-                self.state[name].copy_(t)
-        for stream, s in zip(self.streams, state["streams"], strict=True):
-            stream.load_state_dict(s)
-        for g, s in zip(self._augment_gens or [], state["augment"], strict=True):
-            g.set_state(s)
-        self.rng.load_state_dict([s.to(self.rng.states[0].device) for s in state["rng"]])
-        self.mixer.bytes_sent.copy_(state["bytes_sent"])
-        self.mixer.bytes_across = float(state["bytes_across"])
-        self.reducer.bytes = float(state["eval_bytes"])
-        self.k = int(state["k"])
-        self._loss_sums.copy_(state["loss_sums"])
-        self._loss_counts.copy_(state["loss_counts"])
-        self._wall = float(state["wall"])
+        checkpoint_state.load_state_dict(self, saved)
 
     def agent_model(self, j: int) -> nn.Module:
         """Agent j's module holding its current parameters (j must be held here).

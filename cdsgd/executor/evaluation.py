@@ -17,6 +17,7 @@ seeded subset of the test set).
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -144,10 +145,13 @@ def evaluate(ex) -> dict:
     ``ex.bytes_across_processes``: the training bytes all processes have
     sent to other processes so far.
     """
+    t0 = time.perf_counter()
     L = len(ex.agents)
     # columns: train-loss sum, train-loss count, ‖x_j − x̄‖², bytes sent, bytes across processes
-    # (on the process's first agent), test loss, test accuracy, average-model accuracy (on agent 0)
-    per = torch.zeros(L, 8, dtype=torch.float64)
+    # (on the process's first agent), test loss, test accuracy, average-model accuracy (on agent 0),
+    # then (not summed) the first non-finite step of each agent and whether its parameters were so
+    per = torch.zeros(L, 10, dtype=torch.float64)
+    per[:, 8:] = ex._nonfinite
     per[:, 0], per[:, 1] = ex._loss_sums, ex._loss_counts
     ex._loss_sums.zero_()
     ex._loss_counts.zero_()
@@ -168,7 +172,12 @@ def evaluate(ex) -> dict:
         finally:
             for m in ex.models:
                 m.train()
-    loss_sum, loss_count, dist2, sent, across, t_loss, t_acc, acc_avg = _total(ex, per)
+    every = ex.reducer.agent_values(per)
+    loss_sum, loss_count, dist2, sent, across, t_loss, t_acc, acc_avg = (
+        math.fsum(col) for col in every[:, :8].t().tolist())
+    if ex.diverged is None and bool(every[:, 8].any()):  # the first step, then the lowest agent
+        step, agent = min((int(s), j) for j, s in enumerate(every[:, 8].tolist()) if s)
+        ex.diverged = (step, agent, "parameters" if every[agent, 9] else "training loss")
     ex.bytes_across_processes = across
     row = {
         "epoch": ex.k / ex.steps_per_epoch,
@@ -184,4 +193,5 @@ def evaluate(ex) -> dict:
     if ex.test_set is not None:
         count = len(ex.eval_agents)
         row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg)
+    ex.eval_seconds += time.perf_counter() - t0
     return row
