@@ -233,7 +233,10 @@ def _cmd_sweep(args) -> int:
             print(r.folder)
         print(f"{len(runs)} runs")
         return 0
-    report = run_sweep(runs, out, jobs=args.jobs)
+    from .progress import safe_stream
+
+    stdout = safe_stream(sys.stdout)  # `cdsgd sweep ... | head` must not stop the sweep
+    report = run_sweep(runs, out, jobs=args.jobs, log=lambda line: print(line, file=stdout, flush=True))
     return 1 if report["failed"] else 0
 
 

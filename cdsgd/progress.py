@@ -141,7 +141,7 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", file=stream or safe_stream(sys.stderr),
                             dynamic_ncols=True, bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                            "[{elapsed}, {postfix}]")
+                            "[{elapsed}{postfix}]")
             self.bar.set_postfix_str("ETA ?", refresh=False)
 
     def evaluations_left(self, k: int) -> int:

@@ -122,10 +122,14 @@ def metrics_without_wall(folder: Path) -> str:
     return "".join(kept)
 
 
+#: the summary's clock readings: they differ between two runs of one config
+TIME_KEYS = ("wall_seconds", "train_seconds", "eval_seconds", "total_seconds")
+
+
 def summary_without_wall(folder: Path) -> dict:
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "completed", summary
-    return {k: v for k, v in summary.items() if k not in ("wall_seconds", "out")}
+    return {k: v for k, v in summary.items() if k not in TIME_KEYS + ("out",)}
 
 
 def config_without_out(folder: Path) -> str:

@@ -22,6 +22,7 @@ def _subgroup_exchange(rank, world):
 
     group = dist.new_group([1, 2, 3])
     if rank == 0:
+        dist.barrier()  # rank 0 hosts the store: it stays until the others are done with it
         return None
     g = dist.get_rank(group)
     x, buf = torch.full((3,), float(g)), torch.empty(3)
@@ -31,6 +32,7 @@ def _subgroup_exchange(rank, world):
     # the neighbour mixer takes the same convention: a 3-ring inside the subgroup
     W = topologies.mixing_matrix(topologies.build("ring", 3))
     mixed = NeighbourMixer(W, g, group=group, timeout=30).mix(torch.full((2,), float(g)))
+    dist.barrier()
     return g, buf.tolist(), mixed.tolist()
 
 
