@@ -109,6 +109,8 @@ class Config:
     momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, dsgt, d2, qg_dsgdm, sgp, msgd, local)")
     nesterov: bool = key(True, "Nesterov form (the paper's) or heavy ball")
     weight_decay: float = key(0.0, "L2 coefficient λ")
+    grad_clip: float = key(0.0, "largest norm of each agent's gradient: g_j scaled by min(1, c/‖g_j‖₂) (0: off)",
+                           low=0, note=" (0 means off)")
     local_steps: int = key(0, "fedavg: local steps per round (0: use local_epochs)", low=0,
                            note=" (0 means all/off)", unset=0)
     local_epochs: int = key(1, "fedavg: local epochs per round", low=1, overridden_by="local_steps")

@@ -137,7 +137,7 @@ def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
         test_set=parts.test_set, eval_batch_size=cfg.eval_batch_size,
         eval_agents=cfg.eval_agents or default_eval_agents(cfg.n_agents), eval_samples=cfg.eval_samples or None, exact=cfg.exact,
         augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
-        batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch,
+        batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch, grad_clip=cfg.grad_clip,
         agents=group.agents, reducer=group.reducer(torch.device(cfg.device)),
     )
 

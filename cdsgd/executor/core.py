@@ -158,6 +158,7 @@ class Executor:
         device: str | torch.device | None = None,
         batch_stream: Callable[[int, torch.Generator], object] | None = None,
         steps_per_epoch: int | None = None,
+        grad_clip: float = 0.0,
         **hyper,
     ) -> None:
         self.n_agents = n = len(shards)
@@ -184,6 +185,8 @@ class Executor:
             raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {agents!r}")
         self.reducer = reducer if reducer is not None else Reducer()
         self.overlap, self.exact = bool(overlap), bool(exact)
+        if not (isinstance(grad_clip, (int, float)) and 0 <= grad_clip < math.inf):
+            raise ValueError(f"grad_clip must be a finite number >= 0 (0: off), got {grad_clip!r}")
 
         if isinstance(algorithm, str):
             allowed = algorithm_params(algorithm)
@@ -230,7 +233,8 @@ class Executor:
         algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
         self.state = algorithm.init_state(self.X)
         self._G = torch.zeros_like(self.X)
-        self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, self._G, loss_fn, self.rng)
+        self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, self._G, loss_fn, self.rng,
+                                       grad_clip=grad_clip)
 
         self.test_set = None
         if test_set is not None:

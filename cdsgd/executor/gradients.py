@@ -9,6 +9,10 @@ Two strategies with identical numerics (to float rounding):
 ``vmap``   one function of the parameters, ``torch.func.grad`` of the loss
            through ``functional_call``, vectorised over agents with ``torch.vmap``.
 
+Either strategy can clip each agent's gradient to a global norm c
+(``grad_clip``, 0: off) after computing it: row j of G becomes
+g_j · min(1, c/‖g_j‖₂) (:func:`clip_rows_`), before the update rule sees G.
+
 ``auto`` picks ``vmap`` for models without convolutions, dropout or buffers
 (dense networks) and ``loop`` otherwise: dropout and buffers need per-agent
 state that vmap cannot keep exactly, and for convolutions the loop is
@@ -29,7 +33,8 @@ from ..flat import ParamLayout
 from ..models import has_convolutions, vmap_blockers
 from .streams import AgentRNG
 
-__all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "choose_strategy", "make_strategy"]
+__all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "choose_strategy", "clip_rows_",
+           "make_strategy"]
 
 #: the names ``strategy=`` takes
 STRATEGIES = ("auto", "loop", "vmap")
@@ -38,6 +43,20 @@ STRATEGIES = ("auto", "loop", "vmap")
 #: ``vmap`` computes the gradients of this many bytes of parameter rows at a time (a block of agents),
 #: so its temporaries (the gradients it returns, the activations) stay bounded at any N
 VMAP_BLOCK_BYTES = 1 << 25
+
+
+def clip_rows_(G: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale each row g_j of ``G`` in place by min(1, max_norm / ‖g_j‖₂); ``max_norm = 0`` leaves G as it is.
+
+    A row at or below the threshold (a zero row too) is left unchanged. Returns ``G``.
+
+    >>> clip_rows_(torch.tensor([[3.0, 4.0], [0.3, 0.4]]), 1.0).tolist()
+    [[0.6000000238418579, 0.800000011920929], [0.30000001192092896, 0.4000000059604645]]
+    """
+    if max_norm > 0:
+        norms = torch.linalg.vector_norm(G, dim=1, keepdim=True)
+        G.mul_(torch.where(norms > max_norm, max_norm / norms, torch.ones_like(norms)))
+    return G
 
 
 def choose_strategy(strategy: str, template: nn.Module, *, exact: bool = False) -> str:
@@ -57,22 +76,29 @@ class GradientStrategy:
 
     ``models[i]`` is the i-th held agent's module; ``X``/``G`` are the L×P
     parameter and gradient stacks; ``rng`` runs agent i's forward pass on its
-    own random stream (used when the model draws, e.g. dropout).
+    own random stream (used when the model draws, e.g. dropout); ``grad_clip``
+    the largest norm of an agent's gradient (0: no clipping, see :func:`clip_rows_`).
     """
 
     name: str
 
     def __init__(self, models: Sequence[nn.Module], layout: ParamLayout, X: torch.Tensor, G: torch.Tensor,
-                 loss_fn: Callable, rng: AgentRNG) -> None:
+                 loss_fn: Callable, rng: AgentRNG, *, grad_clip: float = 0.0) -> None:
         self.models, self.layout, self.X, self.G, self.loss_fn, self.rng = list(models), layout, X, G, loss_fn, rng
+        self.grad_clip = float(grad_clip)
         self.draws = bool(vmap_blockers(self.models[0]))  # per-agent RNG streams matter only for models that draw
 
     def gradients(self, active: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Fill the rows ``active`` (local indices) of G with their gradients at X (other rows zero).
+        """Fill the rows ``active`` (local indices) of G with their (clipped) gradients at X (other rows zero).
 
         ``batches[i]`` is the (inputs, targets) batch of ``active[i]``.
         Returns the batch losses, one per active row.
         """
+        losses = self._gradients(active, batches)
+        clip_rows_(self.G, self.grad_clip)
+        return losses
+
+    def _gradients(self, active, batches) -> torch.Tensor:
         raise NotImplementedError
 
     def outputs(self, flats: torch.Tensor, model_ids: list[int], xb: torch.Tensor) -> list[torch.Tensor]:
@@ -101,7 +127,7 @@ class LoopGradients(GradientStrategy):
         loss.backward()
         return loss.detach()
 
-    def gradients(self, active, batches):
+    def _gradients(self, active, batches):
         self.G.zero_()  # backward accumulates into G
         losses = []
         for i, (xb, yb) in zip(active, batches):
@@ -125,7 +151,7 @@ class VmapGradients(GradientStrategy):
     def _loss(self, params, xb, yb):
         return self.loss_fn(functional_call(self.models[0], params, (xb,)), yb)
 
-    def gradients(self, active, batches):
+    def _gradients(self, active, batches):
         G, views = self.G, self.layout.views
         if not active:  # no agent held here takes part in this step (FedAvg)
             G.zero_()
