@@ -94,6 +94,8 @@ class Config:
                          low=0, note=" (0 means all/off)")
     bucket_rule: str = key("optimal", "bucket boundaries: optimal (least padding) | quantile | uniform",
                            registry="bucket_rule")
+    bucket_sync: bool = key(False, "bucketing: every agent takes its batch from the same bucket at each step "
+                            "(common boundaries over all shards, a shared seeded bucket sequence)")
     # --- model
     model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru | "
                      "package.module:factory (your own)", registry="model",

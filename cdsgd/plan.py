@@ -256,13 +256,22 @@ def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
 
 
 def _bucketed_streams(cfg: Config, ds, shards) -> dict:
-    """With ``bucketing`` > 1: each agent's batches come from length buckets of its own shard.
+    """With ``bucketing`` > 1: each agent's batches come from length buckets.
 
-    Returns ``batch_stream`` (agent j's BucketStream over its shard's lengths
-    and its own boundaries, by ``bucket_rule``), ``steps_per_epoch`` (the
-    mean over agents of the batches one pass over a shard takes: the last
-    batch of every bucket may be short), and the boundaries per agent; ``{}``
+    Returns ``batch_stream`` (agent j's stream of index batches),
+    ``steps_per_epoch`` and ``bucket_boundaries`` (one list per agent); ``{}``
     without bucketing.
+
+    - ``bucket_sync`` false: agent j's BucketStream over its shard's lengths
+      and its own boundaries (by ``bucket_rule``); an epoch is the mean over
+      agents of the batches one pass over a shard takes (the last batch of
+      every bucket may be short).
+    - ``bucket_sync`` true: one set of boundaries for all agents, by
+      ``bucket_rule`` over the lengths of all shards together, and agent j's
+      SyncBucketStream walking the bucket sequence shared by every agent
+      (seeded by ``cfg.seed``); an epoch is one pass of that sequence,
+      Σ_i ⌈N_i / (n_agents · batch_size)⌉ steps with N_i the sequences of
+      bucket i over all shards.
     """
     if cfg.bucketing <= 1:
         return {}
@@ -270,6 +279,17 @@ def _bucketed_streams(cfg: Config, ds, shards) -> dict:
         raise ValueError(f"bucketing={cfg.bucketing} needs a sequence data set (plaid, japanese_vowels, "
                          f"synthetic_seq), not {cfg.dataset!r} with inputs of shape {ds.input_shape}")
     lengths = [sequence_lengths(x).numpy() for x, _ in shards]
+    if cfg.bucket_sync:
+        from .data.bucketing import SyncBucketStream, bucket_part_sizes, sync_steps_per_bucket
+
+        common = bucket_boundaries(np.concatenate(lengths), cfg.bucketing, cfg.bucket_rule)
+        steps = sync_steps_per_bucket(bucket_part_sizes(lengths, common), cfg.batch_size)
+        return {
+            "batch_stream": lambda j, gen: SyncBucketStream(lengths[j], cfg.batch_size, common, gen,
+                                                            steps_per_bucket=steps, seed=cfg.seed),
+            "steps_per_epoch": sum(steps),
+            "bucket_boundaries": [list(common) for _ in shards],
+        }
     bounds = [bucket_boundaries(ln, cfg.bucketing, cfg.bucket_rule) for ln in lengths]
     per_pass = [len(BucketBatchSampler(ln, cfg.batch_size, b)) for ln, b in zip(lengths, bounds)]
     return {

@@ -23,6 +23,9 @@ time (seeded per epoch, like torch's ``DistributedSampler``);
 ``load_state_dict()``). The order of an epoch: within each bucket the indices
 are shuffled and cut into batches of ``batch_size`` (the last one of a bucket
 may be shorter), then the batches of all buckets are put in a random order.
+:class:`SyncBucketStream` (config ``bucket_sync``) makes all agents take the
+same bucket at every step, from a shared seeded bucket sequence over common
+boundaries; each agent draws from its own part of that bucket.
 
 >>> lengths = [1, 1, 2, 5, 5, 6, 9]
 >>> b = bucket_boundaries(lengths, 2)
@@ -41,7 +44,8 @@ import numpy as np
 from topologies import Registry
 
 from ..checks import check_int
-from .bucket_batches import BucketBatchSampler, BucketStream
+from .bucket_batches import (BucketBatchSampler, BucketStream, SyncBucketStream, bucket_part_sizes,
+                             shared_bucket_order, sync_steps_per_bucket)
 from .bucket_lengths import bucket_of, check_lengths, padded_fraction, padding_cost
 
 __all__ = [
@@ -55,6 +59,10 @@ __all__ = [
     "bucket_of",
     "BucketBatchSampler",
     "BucketStream",
+    "SyncBucketStream",
+    "bucket_part_sizes",
+    "shared_bucket_order",
+    "sync_steps_per_bucket",
 ]
 
 BUCKET_RULES: Registry[Callable[..., list[int]]] = Registry("bucketing rule")
