@@ -9,18 +9,20 @@ whose inputs are float32 tensors of shape (n, L_max, 1 + C):
   after them;
 - ``input_shape = (L_max, 1 + C)`` and labels are int64 in 0..K−1.
 
-Features are normalised per channel, ``x_c ← (x_c − m_c) / s_c``, with m_c
-and s_c the mean and (population) standard deviation of channel c over the
-valid steps of the *training* split only (s_c = 1 for a constant channel);
-padding stays exactly zero. The length of each sequence is the mask's sum,
-:func:`sequence_lengths`.
+Features are normalised per channel, ``x_c ← (x_c − m_c) / s_c`` (s_c the
+population standard deviation, 1 for a constant channel), as the loaders'
+option ``normalize`` says: ``"series"`` (z-normalisation, the time-series
+habit; default of ``plaid`` and ``synthetic_seq``) over each sequence's own
+steps; ``"split"`` (default of ``japanese_vowels``, whose channel levels tell
+speakers apart) over the valid steps of the *training* split. Padding stays
+exactly zero; a sequence's length is the mask's sum, :func:`sequence_lengths`.
 
 ===================  ==============  =======  ===========  ===============================
 name                 input shape     classes  train/test   source
 ===================  ==============  =======  ===========  ===============================
-``plaid``            (1344, 2)       11       537 / 537    PLAID appliance currents,
-                                                           lengths 100..1344 (``.ts``
-                                                           files inside sktime)
+``plaid``            (336, 2)        11       537 / 537    PLAID appliance currents,
+                                                           lengths 100..1344 averaged
+                                                           by 4 (``.ts`` in sktime)
 ``japanese_vowels``  (29, 13)        9        270 / 370    12 LPC cepstra, 9 speakers,
                                                            lengths 7..29 (``.ts`` files
                                                            inside sktime)
@@ -275,16 +277,27 @@ def _class_order(labels: Sequence[str]) -> list[str]:
     return sorted(distinct)
 
 
+def _standardize(s: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    return (s - mean) / np.where(std > 0, std, 1.0)  # a constant channel is centred, not blown up
+
+
+def _subsample(s: np.ndarray, k: int) -> np.ndarray:
+    """Means of consecutive blocks of k steps (the last block may be shorter): ⌈L/k⌉ steps."""
+    return np.add.reduceat(s, np.arange(0, len(s), k), axis=0) / np.diff([*range(0, len(s), k), len(s)])[:, None]
+
+
 def _sequence_dataset(name: str, train: tuple[list, Sequence], test: tuple[list, Sequence],
-                      classes: Sequence | None = None) -> Dataset:
-    """Normalise with the training split's statistics, pad both splits to one L_max."""
+                      classes: Sequence | None = None, *, normalize: str = "split") -> Dataset:
+    """Normalise (``"series"``: each on its own; ``"split"``: the training split's statistics), pad to one L_max."""
     (xtr, ytr), (xte, yte) = train, test
-    flat = np.concatenate(xtr, axis=0)
-    mean = flat.mean(axis=0)
-    std = flat.std(axis=0)
-    std[std == 0] = 1.0  # a constant channel is centred, not blown up
-    xtr = [(s - mean) / std for s in xtr]
-    xte = [(s - mean) / std for s in xte]
+    if normalize not in ("series", "split"):
+        raise ValueError(f"{name}: normalize must be one of series, split; got {normalize!r}")
+    if normalize == "series":
+        xtr, xte = ([_standardize(s, s.mean(axis=0), s.std(axis=0)) for s in xs] for xs in (xtr, xte))
+    else:
+        flat = np.concatenate(xtr, axis=0)
+        mean, std = flat.mean(axis=0), flat.std(axis=0)
+        xtr, xte = ([_standardize(s, mean, std) for s in xs] for xs in (xtr, xte))
     length = max(len(s) for s in (*xtr, *xte))
     if classes is None:
         classes = _class_order([*ytr, *yte])
@@ -294,7 +307,7 @@ def _sequence_dataset(name: str, train: tuple[list, Sequence], test: tuple[list,
         return torch.tensor([index[v] for v in y], dtype=torch.int64)
 
     return Dataset(name, (pad_sequences(xtr, length), labels(ytr)), (pad_sequences(xte, length), labels(yte)),
-                   len(classes), (length, 1 + flat.shape[1]))
+                   len(classes), (length, 1 + xtr[0].shape[1]))
 
 
 # --------------------------------------------------------------------------- #
@@ -317,30 +330,36 @@ def _sktime_files(name: str, problem: str) -> tuple[Path, Path]:
                             f"{problem}_TEST.ts under {folder}; reinstall it: pip install 'cdsgd[sequences]'")
 
 
-def _load_ts_pair(name: str, problem: str) -> Dataset:
+def _load_ts_pair(name: str, problem: str, normalize: str, subsample: int = 1) -> Dataset:
+    if isinstance(subsample, bool) or not isinstance(subsample, (int, np.integer)) or subsample < 1:
+        raise ValueError(f"{name}: subsample must be an integer ≥ 1, got {subsample!r}")
     train_file, test_file = _sktime_files(name, problem)
-    return _sequence_dataset(name, read_ts(train_file), read_ts(test_file))
+    (xtr, ytr), (xte, yte) = read_ts(train_file), read_ts(test_file)
+    if subsample > 1:
+        xtr, xte = ([_subsample(s, int(subsample)) for s in xs] for xs in (xtr, xte))
+    return _sequence_dataset(name, (xtr, ytr), (xte, yte), normalize=normalize)
 
 
 @DATASETS.register("plaid")
-def _load_plaid(data_dir: Path, download: bool) -> Dataset:
+def _load_plaid(data_dir: Path, download: bool, *, normalize: str = "series", subsample: int = 4) -> Dataset:
     """PLAID (Plug Load Appliance Identification Dataset, 2013): 11 appliance types.
 
-    Univariate current signatures, 537 train / 537 test, lengths 100..1344.
-    Read from sktime's bundled copy; ``data_dir`` and ``download`` are unused.
+    Univariate current signatures, 537 train / 537 test, lengths 100..1344;
+    ``subsample = k`` (default 4; 1: the archive's series) replaces each block
+    of k steps by its mean (⌈L/k⌉ steps, 25..336 at k = 4) before normalising.
+    Read from sktime's bundled copy; ``data_dir``, ``download`` unused.
     """
-    return _load_ts_pair("plaid", "PLAID")
+    return _load_ts_pair("plaid", "PLAID", normalize, subsample)
 
 
 @DATASETS.register("japanese_vowels")
-def _load_japanese_vowels(data_dir: Path, download: bool) -> Dataset:
+def _load_japanese_vowels(data_dir: Path, download: bool, *, normalize: str = "split") -> Dataset:
     """Japanese Vowels (UCI; Kudo, Toyama and Shimbo 1999): 9 speakers.
 
     12 LPC cepstrum coefficients per frame, 270 train / 370 test, lengths
-    7..29. Read from sktime's bundled copy; ``data_dir`` and ``download``
-    are unused.
+    7..29. Read from sktime's bundled copy; ``data_dir``, ``download`` unused.
     """
-    return _load_ts_pair("japanese_vowels", "JapaneseVowels")
+    return _load_ts_pair("japanese_vowels", "JapaneseVowels", normalize)
 
 
 # --------------------------------------------------------------------------- #
@@ -372,7 +391,7 @@ def _synthetic_frequencies(n_classes: int) -> np.ndarray:
 def _load_synthetic_seq(data_dir: Path, download: bool, *, n_train: int = 2000, n_test: int = 500,
                         n_classes: int = 4, channels: int = 1, mean_length: float = 100.0,
                         length_spread: float = 0.5, min_length: int = 5, max_length: int = 1000,
-                        noise: float = 0.5, seed: int = 0) -> Dataset:
+                        noise: float = 0.5, seed: int = 0, normalize: str = "series") -> Dataset:
     """Generated variable-length noisy sinusoids; the class is the frequency.
 
     With ``rng = numpy.random.default_rng(seed)``, for the training split and
@@ -390,8 +409,8 @@ def _load_synthetic_seq(data_dir: Path, download: bool, *, n_train: int = 2000, 
 
     The random phase and amplitude make a single step uninformative about
     the class; the frequency is readable from the whole sequence (a
-    periodogram peak, or an LSTM). Features are then normalised with the
-    training split's statistics, like every sequence set.
+    periodogram peak, or an LSTM). Each sequence is then z-normalised
+    (``normalize = "series"``; ``"split"``: the training split's statistics).
     """
     n_train = _int_option("n_train", n_train, 1)
     n_test = _int_option("n_test", n_test, 1)
@@ -427,4 +446,4 @@ def _load_synthetic_seq(data_dir: Path, download: bool, *, n_train: int = 2000, 
 
     train = split(n_train)
     test = split(n_test)
-    return _sequence_dataset("synthetic_seq", train, test, classes=range(n_classes))
+    return _sequence_dataset("synthetic_seq", train, test, classes=range(n_classes), normalize=normalize)
