@@ -3,6 +3,7 @@ r"""Sequence bucketing: padding, epoch time and validation loss, side by side in
 Run::
 
     python benchmarks/bucketing.py [--datasets plaid synthetic_seq] [--epochs 8] [--hidden 32] [--cost-model]
+    OMP_NUM_THREADS=1 python benchmarks/bucketing.py --time-to-loss --epochs 30   # ~11 min
 
 For each data set (PLAID from sktime's files, and ``synthetic_seq``) and an
 LSTM classifier trained by the simulator on one agent (``msgd``, batch 32),
@@ -203,7 +204,7 @@ def time_to_loss(epochs: int, buckets, rules, seeds) -> None:
         base = mean_s if base is None else base
         label = "1 (batch cut to its longest)" if k == 1 else str(k)
         print(f"| {label} | {rule if k > 1 else '-'} | {pad:.3f} | {ms(per_epoch, '{:.3f}')} | "
-              f"{len(hit_s)}/{len(seeds)} | {ms(hit_ep, '{:.1f}')} | {ms(hit_s)} | {base / mean_s:.2f}x | "
+              f"{len(hit_s)}/{len(seeds)} | {ms(hit_ep, '{:.1f}')} | {ms(hit_s)} | {f'{base / mean_s:.2f}x' if hit_s else '-'} | "
               f"{ms(final, '{:.3f}')} |", flush=True)
 
 
