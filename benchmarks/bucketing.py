@@ -203,8 +203,9 @@ def time_to_loss(epochs: int, buckets, rules, seeds) -> None:
         mean_s = float(np.mean(hit_s)) if hit_s else float("nan")
         base = mean_s if base is None else base
         label = "1 (batch cut to its longest)" if k == 1 else str(k)
+        speedup = f"{base / mean_s:.2f}x" if hit_s else "-"
         print(f"| {label} | {rule if k > 1 else '-'} | {pad:.3f} | {ms(per_epoch, '{:.3f}')} | "
-              f"{len(hit_s)}/{len(seeds)} | {ms(hit_ep, '{:.1f}')} | {ms(hit_s)} | {f'{base / mean_s:.2f}x' if hit_s else '-'} | "
+              f"{len(hit_s)}/{len(seeds)} | {ms(hit_ep, '{:.1f}')} | {ms(hit_s)} | {speedup} | "
               f"{ms(final, '{:.3f}')} |", flush=True)
 
 
