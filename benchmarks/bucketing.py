@@ -155,7 +155,7 @@ def learning_curve(k: int, rule: str, seed: int, epochs: int, out: str):
     cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={rule}", f"epochs={epochs}", "eval_every=1",
                              f"seed={seed}", f"out={out}", "overwrite=true"])
     run_experiment(cfg, progress=False, log=lambda line: None)
-    rows = np.genfromtxt(pathlib.Path(out) / "metrics.csv", delimiter=",", names=True)
+    rows = np.atleast_1d(np.genfromtxt(pathlib.Path(out) / "metrics.csv", delimiter=",", names=True))  # 1 row: 0-d
     return rows["epoch"], rows["test_loss"], rows["wall_seconds"]
 
 
