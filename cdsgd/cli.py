@@ -379,14 +379,6 @@ def _input_error(e: BaseException) -> bool:
     return isinstance(e, (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
 
 
-def _quiet_stdout() -> None:
-    """The reader of stdout has gone (``cdsgd topo ... | head``): later writes, and the exit's flush, go nowhere."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-
-
 def _terminate(signum, frame) -> None:
     import signal
 
@@ -419,7 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{who}: {'stopped by SIGTERM' if term else 'interrupted'}{detail}", file=safe_stream(sys.stderr))
         return 143 if term else 130
     except BrokenPipeError:
-        _quiet_stdout()  # the output was cut short by its reader, as asked: not an error
+        from .progress import silence
+
+        silence(sys.stdout)  # the output was cut short by its reader (`cdsgd topo ... | head`): not an error
         return 0
     except Exception as e:
         from .progress import safe_stream

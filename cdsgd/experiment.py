@@ -301,7 +301,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         log(f"warning: {note}")
     eval_steps = cfg.eval_every * sim.steps_per_epoch
     shown = Progress(total=total, every=eval_steps, mode=mode, log=log, initial=sim.k,
-                     timing=lambda: (sim._wall, sim.eval_seconds, len(rows) - len(resume["rows"] if resume else [])))
+                     timing=lambda: (sim._wall, sim.eval_seconds, len(rows)))  # all cumulative from step 0
     board = make_logger(cfg.logger if writer else "none", out,
                         purge_step=(sim.k + 1) if resume is not None else (0 if cfg.overwrite else None))
     board.text("config", dump_config(cfg))
@@ -328,9 +328,10 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
                       f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
                       f"consensus {row['consensus_distance']:.3g}", row)
-            if not hinted and _eval_hint(cfg, sim):
+            hint = "" if hinted else _eval_hint(cfg, sim)
+            if hint:
                 hinted = True
-                shown.note(f"note: {_eval_hint(cfg, sim)}")
+                shown.note(f"note: {hint}")
 
         def on_step(k: int) -> None:
             shown.step(k)

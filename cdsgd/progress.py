@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Callable, TextIO
 
-__all__ = ["MODES", "Progress", "format_seconds", "pick_mode", "safe_stream"]
+__all__ = ["MODES", "Progress", "format_seconds", "pick_mode", "safe_stream", "silence"]
 
 #: how progress is shown: a tqdm bar, plain lines, or nothing
 MODES = ("bar", "lines", "off")
@@ -52,6 +52,15 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
+def silence(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: once its reader has gone, later writes (and the
+    interpreter's flush at exit) go nowhere instead of raising BrokenPipeError."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 class _SafeStream:
     """A text stream whose writes stop quietly (forever) once its reader has gone (EPIPE)."""
 
@@ -66,10 +75,7 @@ class _SafeStream:
         except (BrokenPipeError, ValueError) as e:  # ValueError: the stream was closed under us
             self.closed_by_reader = True
             if isinstance(e, BrokenPipeError):
-                try:  # later writes by anyone (interpreter exit included) go nowhere instead of raising
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
-                except (OSError, ValueError, AttributeError):
-                    pass
+                silence(self._stream)
             return None
         except OSError as e:
             if e.errno != errno.EPIPE:
@@ -121,7 +127,8 @@ class Progress:
         every: steps between evaluations (the last step is evaluated too).
         mode: ``bar``, ``lines`` or ``off``.
         log: where lines go (one call per line).
-        timing: ``() -> (training seconds, evaluation seconds, evaluations)`` so far, for the ETA.
+        timing: ``() -> (training seconds, evaluation seconds, evaluations)`` since step 0 (a resumed run's
+            included, as the executor's clocks are), for the ETA.
         stream: the bar's stream (default: stderr, made safe).
         interval: seconds between heartbeat lines in ``lines`` mode.
     """
@@ -132,7 +139,7 @@ class Progress:
         if mode not in MODES:
             raise ValueError(f"progress mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
         self.total, self.every, self.mode, self.log = total, max(1, every), mode, log
-        self.timing, self.k, self.start_k, self.interval = timing, initial, initial, interval
+        self.timing, self.k, self.interval = timing, initial, interval
         self._last_line = time.monotonic()
         self._post = ""
         self.bar = None
@@ -153,7 +160,7 @@ class Progress:
     def eta(self, k: int) -> float:
         """Seconds still to come from step k: the mean step and evaluation times so far (NaN before any step)."""
         train, evaluation, evals = self.timing()
-        done = k - self.start_k
+        done = k  # the clocks count from step 0, a resumed run's time before its checkpoint included
         if done <= 0:
             return float("nan")
         per_eval = evaluation / evals if evals else 0.0
