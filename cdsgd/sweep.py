@@ -212,13 +212,22 @@ def _last_error_line(text: str) -> str:
     return (errors or lines or ["(no output)"])[-1].strip()
 
 
+def _threads_per_run(jobs: int) -> int:
+    """``OMP_NUM_THREADS`` when the user set it (a positive integer), else the cores shared by the jobs."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
 def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
               log: Callable[[str], None] = print) -> dict:
     """Run every unfinished run (``jobs`` at a time, in subprocesses), then write results.csv.
 
     Each run is ``python -m cdsgd run CONFIG`` with its resolved config, so a
     crash or a bad run cannot take the others down. With J jobs each run gets
-    max(1, cores // J) threads. A run that diverged (status ``diverged``) is
+    max(1, cores // J) threads, unless ``OMP_NUM_THREADS`` is set (then every
+    run gets that many, as with ``cdsgd launch``). A run that diverged (status ``diverged``) is
     over, not failed: it is listed apart and not run again. Returns
     {"done": [...], "skipped": [...], "diverged": [(name, error)], "failed": [(name, error)]}.
     """
@@ -226,7 +235,7 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = _threads_per_run(jobs)
     todo, skipped = [], []
     for r in runs:
         (skipped if _finished(r.folder, r.identity) else todo).append(r)
