@@ -207,7 +207,8 @@ def _add_sweep(sub) -> None:
     )
     p.add_argument("sweep", nargs="?", metavar="SWEEP.toml", help="the sweep file (not needed with --collect)")
     p.add_argument("--out", default=None, help="sweep folder (default: runs/<sweep file name>)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time, in separate processes (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time, in separate processes, each with cores/J threads "
+                   "unless OMP_NUM_THREADS is set (default 1)")
     p.add_argument("--collect", metavar="DIR", default=None, help="only rebuild DIR/results.csv from its runs")
     p.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     p.set_defaults(func=_cmd_sweep)

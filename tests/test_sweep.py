@@ -172,3 +172,32 @@ def test_shipped_studies_expand_and_validate(tmp_path, monkeypatch, name, count)
     runs = load_sweep(root / "experiments" / "ablations" / name, tmp_path / "out")
     assert len(runs) == count
     assert all(r.config.dataset == "fashion-mnist" for r in runs)
+
+
+@pytest.mark.parametrize("env,jobs,expect", [(None, 1, "cores"), (None, 2, "cores/2"), ("1", 1, 1), ("3", 2, 3),
+                                             ("", 1, "cores"), ("abc", 1, "cores"), ("0", 1, "cores")])
+def test_threads_per_run_keep_the_users_omp_num_threads(monkeypatch, env, jobs, expect):
+    import os
+
+    from cdsgd.sweep import _threads_per_run
+
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert _threads_per_run(jobs) == {"cores": 8, "cores/2": 4}.get(expect, expect)
+
+
+def test_bucketing_study_expands_to_five_bucket_counts(tmp_path, monkeypatch):
+    """experiments/sequences/plaid_buckets.toml: the seed paper's comparison, 1..16 buckets x 3 seeds, on
+    the settings docs/sequences.md says learn PLAID."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    runs = load_sweep(root / "experiments" / "sequences" / "plaid_buckets.toml", tmp_path / "out")
+    assert sorted({(r.config.bucketing, r.config.seed) for r in runs}) == [
+        (k, s) for k in (1, 2, 4, 8, 16) for s in (0, 1, 2)]
+    assert {(r.config.dataset, r.config.model, r.config.n_agents, r.config.grad_clip, r.config.eval_every)
+            for r in runs} == {("plaid", "lstm", 4, 1.0, 1)}
