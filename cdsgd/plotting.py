@@ -271,19 +271,22 @@ def sweep_figures(folder) -> dict:
         return fig
 
     figures = {}
-    for name, columns, ylabel, log in (
-        ("accuracy_vs_epoch.png", [m for m, _ in models], "test accuracy", False),
-        ("consensus_vs_epoch.png", ["consensus_distance"], "consensus distance", True),
+    for name, columns, ylabel, log, xcol in (
+        ("accuracy_vs_epoch.png", [m for m, _ in models], "test accuracy", False, "epoch"),
+        ("consensus_vs_epoch.png", ["consensus_distance"], "consensus distance", True, "epoch"),
+        # time to a loss, the measure of Khomenko et al. (2016) for bucketing: training seconds (evaluation
+        # excluded); with several seeds the curve sits at the mean time and loss of each evaluation
+        ("loss_vs_time.png", ["test_loss"], "test loss", True, "wall_seconds"),
     ):
         fig, axes = panels(len(columns))
-        drawn = []  # every (epochs, values) plotted: the axes' scales are decided on all of them
+        drawn = []  # every (x, values) plotted: the axes' scales are decided on all of them
         for (f, h, st), runs in sorted(groups.items()):
             for ax, column in zip(axes[facets.index(f)], columns):
                 rows = [series(r["run"]) for r in runs]
                 n = min(len(x) for x in rows)
                 if n == 0:
                     continue
-                ep = _column(rows[0][:n], "epoch")
+                ep = np.array([_column(x[:n], xcol) for x in rows]).mean(0)
                 vals = np.array([_column(x[:n], column) for x in rows])
                 color = colors.get(h, "C0")
                 ax.plot(ep, vals.mean(0), color=color, linestyle=styles[style_of.get(st, 0) % len(styles)],
@@ -291,14 +294,16 @@ def sweep_figures(folder) -> dict:
                 if len(runs) > 1:
                     ax.fill_between(ep, vals.min(0), vals.max(0), color=color, alpha=0.12)
                 drawn.append((ep, vals))
+        xlabel = "epoch" if xcol == "epoch" else "training seconds (evaluation excluded)"
         for ax in (ax for row in axes for ax in row):
-            ax.set_xlabel("epoch")
+            ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             if drawn:
-                _whole_epochs(ax, np.concatenate([e for e, _ in drawn]))
+                if xcol == "epoch":
+                    _whole_epochs(ax, np.concatenate([e for e, _ in drawn]))
                 if log:
                     _log_if_wide(ax, np.concatenate([v.ravel() for _, v in drawn]))
-        figures[name] = finish(fig, axes, f"{ylabel} vs epoch ({_seed_note(groups, 'band')})")
+        figures[name] = finish(fig, axes, f"{ylabel} vs {xlabel.split(' (')[0]} ({_seed_note(groups, 'band')})")
 
     for xcol, name, xlabel in (
         ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂"),
@@ -341,7 +346,9 @@ def plot_sweep(folder, out=None) -> list[str]:
     varies only together with another (a zip group) is shown through that
     one. Accuracy figures have two panels side by side: the agents' own
     models (mean) and the average model x̄. Writes accuracy_vs_epoch.png,
-    consensus_vs_epoch.png, accuracy_vs_spectral_gap.png,
+    consensus_vs_epoch.png, loss_vs_time.png (test loss against the training
+    seconds, ``wall_seconds``; with several seeds each evaluation sits at the
+    seeds' mean time), accuracy_vs_spectral_gap.png,
     accuracy_vs_effective_neighbours.png (when results.csv has the column) and
     accuracy_vs_bytes.png (log axis with 1-2-5 ticks in kB/MB/GB when the
     runs' bytes span 10x or more).

@@ -33,17 +33,18 @@ def write_csv(path, fields, rows):
 def make_sweep(root, runs, epochs=(1.0, 2.0, 3.0)):
     """A sweep folder: ``runs`` are dicts of the varying keys plus seed, acc, avg (final accuracies
     of the agents and of the average model) and bytes; metrics rise linearly to the final values."""
-    keys = [k for k in runs[0] if k not in ("seed", "acc", "avg", "bytes")]
+    keys = [k for k in runs[0] if k not in ("seed", "acc", "avg", "bytes", "secs", "loss")]
     rows = []
     for r in runs:
         name = ",".join(f"{k}={r[k]}" for k in keys + ["seed"])
         last = len(epochs)
         write_csv(root / name / "metrics.csv", METRICS, [
-            {"epoch": e, "step": 10 * (k + 1), "train_loss": 1.0 / (k + 1), "test_loss": 1.2 / (k + 1),
+            {"epoch": e, "step": 10 * (k + 1), "train_loss": 1.0 / (k + 1),
+             "test_loss": r.get("loss", 1.2) / (k + 1),
              "test_accuracy": r["acc"] * (k + 1) / last,
              "test_accuracy_avg_model": r["avg"] and r["avg"] * (k + 1) / last,  # "": not evaluated
              "consensus_distance": 0.5 / (k + 1), "bytes_sent_per_agent": r["bytes"] * (k + 1) / last,
-             "wall_seconds": k} for k, e in enumerate(epochs)])
+             "wall_seconds": r.get("secs", 1.0) * k} for k, e in enumerate(epochs)])
         rows.append({**{k: r[k] for k in keys}, "seed": r["seed"], "spectral_gap": 0.5, "effective_neighbours": 3.0,
                      "epoch": epochs[-1], "step": 10 * last, "test_accuracy": r["acc"],
                      "test_accuracy_avg_model": r["avg"], "consensus_distance": 0.1, "bytes_sent_per_agent": r["bytes"],
@@ -147,7 +148,7 @@ def test_band_is_mentioned_only_with_several_seeds(tmp_path, seeds, expect, abse
     figures = sweep_figures(make_sweep(tmp_path, runs))
     for name, fig in figures.items():
         text = title(fig)
-        wanted = expect.replace("band", "bar") if "vs_epoch" not in name else expect
+        wanted = expect.replace("band", "bar") if name.startswith("accuracy_vs_") and "epoch" not in name else expect
         assert wanted in text, (name, text)
         assert absent is None or (absent not in text and "bar:" not in text), (name, text)
     bands = [c for ax in visible_axes(figures["accuracy_vs_epoch.png"]) for c in ax.collections]
@@ -175,11 +176,32 @@ def test_whole_epochs_get_integer_ticks_in_sweeps(tmp_path):
     assert [text for _, text in labelled_xticks(ax)] == ["1", "2", "3"]
 
 
+def test_loss_vs_time_puts_each_evaluation_at_its_training_seconds(tmp_path):
+    """Bucket counts as in the bucketing study: a faster epoch moves the whole curve left; with two seeds of
+    different speed each evaluation sits at their mean time and loss, the band spanning their losses."""
+    runs = [{"bucketing": 1, "seed": 0, "acc": 0.7, "avg": 0.7, "bytes": 1e5, "secs": 3.0, "loss": 2.0},
+            {"bucketing": 8, "seed": 0, "acc": 0.7, "avg": 0.7, "bytes": 1e5, "secs": 1.0, "loss": 2.4},
+            {"bucketing": 8, "seed": 1, "acc": 0.7, "avg": 0.7, "bytes": 1e5, "secs": 2.0, "loss": 1.6}]
+    fig = sweep_figures(make_sweep(tmp_path, runs))["loss_vs_time.png"]
+    (ax,) = visible_axes(fig)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(lines) == ["bucketing=1", "bucketing=8"]
+    np.testing.assert_allclose(lines["bucketing=1"].get_xdata(), [0.0, 3.0, 6.0])
+    np.testing.assert_allclose(lines["bucketing=1"].get_ydata(), [2.0, 1.0, 2.0 / 3])
+    np.testing.assert_allclose(lines["bucketing=8"].get_xdata(), [0.0, 1.5, 3.0])  # mean of 1 s and 2 s per epoch
+    np.testing.assert_allclose(lines["bucketing=8"].get_ydata(), [2.0, 1.0, 2.0 / 3])  # mean of 2.4 and 1.6
+    (band,) = ax.collections
+    lo, hi = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
+    assert (lo, hi) == pytest.approx((1.6 / 3, 2.4))
+    assert ax.get_xlabel().startswith("training seconds") and ax.get_ylabel() == "test loss"
+    assert title(fig).startswith("test loss vs training seconds (mean over 1–2 seeds")
+
+
 def test_plot_sweep_keeps_its_file_list_api(tmp_path):
     runs = [{"topology": t, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for t in ("ring", "star")]
     files = plot_sweep(make_sweep(tmp_path / "s", runs), tmp_path / "figs")
     assert [f.rsplit("/", 1)[1] for f in files] == [
-        "accuracy_vs_epoch.png", "consensus_vs_epoch.png", "accuracy_vs_spectral_gap.png",
+        "accuracy_vs_epoch.png", "consensus_vs_epoch.png", "loss_vs_time.png", "accuracy_vs_spectral_gap.png",
         "accuracy_vs_effective_neighbours.png", "accuracy_vs_bytes.png"]
     assert all(open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in files)
 
