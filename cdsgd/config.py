@@ -80,6 +80,8 @@ class Config:
     dataset: str = key("digits", "digits | mnist | fashion-mnist | mnist5k | cifar10 | cifar100 | synthetic | "
                        "plaid | japanese_vowels | synthetic_seq | package.module:loader (your own)",
                        registry="dataset", identity=True)
+    dataset_params: dict = key({}, "data set options, e.g. {subsample = 1} for plaid (its full-length series); "
+                               "each data set's options: docs/data.md")
     data_dir: str = key("data", "where data files are looked for (and downloaded to)")
     download: bool = key(False, "fetch missing MNIST/Fashion-MNIST/CIFAR files (SHA-256 verified)", volatile=True)
     partition: str = key("iid", "iid | classes | dirichlet", registry="partition", identity=True)

@@ -23,6 +23,8 @@ the loader returned and runs the model on two training inputs. See
 
 from __future__ import annotations
 
+import inspect
+
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -169,10 +171,11 @@ def _notes(cfg: Config, G: nx.Graph) -> list[str]:
 
 
 def load_config_dataset(cfg: Config) -> Dataset:
-    """The data set of a config: ``load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)``, or the user's.
+    """The data set of a config: ``load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download,
+    **cfg.dataset_params)``, or the user's.
 
     ``dataset = "package.module:loader"`` imports ``loader`` and calls
-    ``loader(pathlib.Path(cfg.data_dir))``. It may return a
+    ``loader(pathlib.Path(cfg.data_dir), **cfg.dataset_params)``. It may return a
     :class:`~cdsgd.data.Dataset`, or ``((train_x, train_y), (test_x,
     test_y))`` of tensors or numpy arrays: inputs floating-point of shape
     (n, *input_shape), used as they are (normalise them yourself), labels
@@ -184,9 +187,16 @@ def load_config_dataset(cfg: Config) -> Dataset:
     4
     """
     if not is_import_path(cfg.dataset):
-        return load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+        return load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, **cfg.dataset_params)
     loader = import_callable(cfg.dataset, "data set")
-    return _as_dataset(cfg.dataset, loader(Path(cfg.data_dir)))
+    try:
+        inspect.signature(loader).bind(Path(cfg.data_dir), **cfg.dataset_params)
+    except TypeError as e:
+        raise ValueError(f"data set {cfg.dataset!r}: the loader cannot take dataset_params "
+                         f"{cfg.dataset_params} ({e})") from e
+    except ValueError:  # no signature to check against (a C function): the call will tell
+        pass
+    return _as_dataset(cfg.dataset, loader(Path(cfg.data_dir), **cfg.dataset_params))
 
 
 _EXPECTED = "a cdsgd.data.Dataset or ((train_x, train_y), (test_x, test_y)) of tensors or numpy arrays"

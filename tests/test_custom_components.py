@@ -104,6 +104,13 @@ def test_shape_differs(data_dir):
 
 def not_arrays(data_dir):
     return ([0.0, 1.0], [0, 1]), ([0.0], [0])
+
+
+def sized(data_dir, n=300, dims=5):
+    """``n`` training samples in ``dims`` dimensions: options a run passes through dataset_params."""
+    (x, y), (xt, yt) = _blobs(n, 0), _blobs(100, 1)
+    pad = lambda a: np.pad(a, ((0, 0), (0, dims - 5)))
+    return (pad(x), y), (pad(xt), yt)
 '''
 
 
@@ -292,3 +299,35 @@ def test_module_that_fails_on_import(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"model 'cdsgd_broken_parts:f': module 'cdsgd_broken_parts' cannot be "
                                          r"imported \(RuntimeError: boom\)"):
         check_model_options("cdsgd_broken_parts:f", {})
+
+
+# --------------------------------------------------------------------------- #
+# dataset_params: options of the data set, built-in or the user's
+# --------------------------------------------------------------------------- #
+
+
+def test_dataset_params_reach_a_built_in_loader():
+    ds = load_config_dataset(load_config(overrides=["dataset=synthetic", "dataset_params.n_train=120",
+                                                    "dataset_params.n_classes=6"]))
+    assert (len(ds.train[1]), ds.n_classes, len(ds.test[1])) == (120, 6, 200)  # n_test keeps its default
+
+
+def test_dataset_params_reach_the_users_loader(user_module):
+    ds = load_config_dataset(load_config(overrides=[f"dataset={user_module}:sized",
+                                                    "dataset_params={n = 40, dims = 7}"]))
+    assert (tuple(ds.train[0].shape), ds.input_shape) == ((40, 7), (7,))
+
+
+@pytest.mark.parametrize("dataset,params,message", [
+    ("synthetic", "dataset_params.n_trian=5", r"data set 'synthetic' has no option 'n_trian'; did you mean "
+                                              r"'n_train'\? allowed: n_train, n_test, n_classes, seed"),
+    ("digits", "dataset_params.seed=1", r"data set 'digits' has no option 'seed'; allowed: \(none\)"),
+    (f"{MOD}:blobs", "dataset_params.n=5", rf"data set '{MOD}:blobs': the loader cannot take dataset_params "
+                                           r"\{'n': 5\}"),
+])
+def test_a_dataset_option_it_does_not_take_is_refused_before_the_folder(user_module, tmp_path, capsys, dataset,
+                                                                         params, message):
+    status, _ = _run(tmp_path, f"dataset={dataset}", params)
+    assert status == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()

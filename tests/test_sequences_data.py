@@ -228,6 +228,18 @@ def test_plaid():
 
 
 @needs_sktime
+def test_plaid_options_come_from_the_config():
+    """dataset_params reach the loader: the same tensors as load_dataset with those options."""
+    from cdsgd.config import load_config
+    from cdsgd.plan import load_config_dataset
+
+    ds = load_config_dataset(load_config(overrides=["dataset=plaid", "dataset_params={subsample = 1, "
+                                                                      "normalize = \"split\"}"]))
+    ref = load_dataset("plaid", normalize="split", subsample=1)
+    assert ds.input_shape == (1344, 2) and torch.equal(ds.train[0], ref.train[0])
+
+
+@needs_sktime
 def test_japanese_vowels():
     ds = load_dataset("japanese_vowels")
     assert repr(ds) == "Dataset(name='japanese_vowels', train=270, test=370, n_classes=9, input_shape=(29, 13))"
@@ -333,7 +345,7 @@ def test_synthetic_seq_class_is_in_the_frequency_not_the_first_step():
     ({"length_spread": float("nan")}, r"length_spread must be a finite number ≥ 0\.0, got nan"),
     ({"noise": -0.1}, r"noise must be a finite number ≥ 0\.0, got -0\.1"),
     ({"seed": True}, r"seed must be an integer ≥ 0, got True"),
-    ({"n_clases": 3}, (r"data set 'synthetic_seq' has no option 'n_clases'; allowed: n_train, n_test, n_classes, "
+    ({"n_clases": 3}, (r"data set 'synthetic_seq' has no option 'n_clases'; did you mean 'n_classes'\? allowed: n_train, n_test, n_classes, "
                        r"channels, mean_length, length_spread, min_length, max_length, noise, seed")),
 ])
 def test_synthetic_seq_refuses_bad_options(options, message):

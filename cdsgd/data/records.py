@@ -9,6 +9,7 @@ the image builders normalise their inputs (:func:`_normalize`).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from dataclasses import dataclass
@@ -101,8 +102,10 @@ def load_dataset(name: str, data_dir: str | os.PathLike = "data", *, download: b
     allowed = [p.name for p in inspect.signature(loader).parameters.values() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
         raise ValueError(f"data set {name!r} has no option {', '.join(map(repr, unknown))}; "
-                         f"allowed: {', '.join(allowed) or '(none)'}")
+                         + (f"did you mean {close[0]!r}? " if close else "")
+                         + f"allowed: {', '.join(allowed) or '(none)'}")
     return loader(Path(data_dir), bool(download), **options)
 
 
