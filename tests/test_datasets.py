@@ -459,7 +459,8 @@ def test_synthetic_is_learnable_by_a_linear_model():
 @pytest.mark.parametrize("name, options, pattern", [
     ("digts", {}, r"data set 'digts' is unknown; did you mean 'digits'\?"),
     ("digits", {"seed": 1}, r"data set 'digits' has no option 'seed'; allowed: \(none\)"),
-    ("synthetic", {"n_clases": 3}, r"no option 'n_clases'; did you mean 'n_classes'\? allowed: n_train, n_test, n_classes, seed"),
+    ("synthetic", {"n_clases": 3}, r"no option 'n_clases'; "
+     r"did you mean 'n_classes'\? allowed: n_train, n_test, n_classes, seed"),
     ("synthetic", {"n_classes": 1}, r"n_classes must be an integer ≥ 2, got 1"),
     ("synthetic", {"n_train": 2.5}, r"n_train must be an integer ≥ 1, got 2.5"),
     ("synthetic", {"seed": -1}, r"seed must be an integer ≥ 0, got -1"),

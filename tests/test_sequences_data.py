@@ -345,7 +345,8 @@ def test_synthetic_seq_class_is_in_the_frequency_not_the_first_step():
     ({"length_spread": float("nan")}, r"length_spread must be a finite number ≥ 0\.0, got nan"),
     ({"noise": -0.1}, r"noise must be a finite number ≥ 0\.0, got -0\.1"),
     ({"seed": True}, r"seed must be an integer ≥ 0, got True"),
-    ({"n_clases": 3}, (r"data set 'synthetic_seq' has no option 'n_clases'; did you mean 'n_classes'\? allowed: n_train, n_test, n_classes, "
+    ({"n_clases": 3}, (r"data set 'synthetic_seq' has no option 'n_clases'; "
+     r"did you mean 'n_classes'\? allowed: n_train, n_test, n_classes, "
                        r"channels, mean_length, length_spread, min_length, max_length, noise, seed")),
 ])
 def test_synthetic_seq_refuses_bad_options(options, message):
