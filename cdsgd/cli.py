@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.verb == "run" and threading.current_thread() is threading.main_thread():
+    if args.verb in ("run", "sweep") and threading.current_thread() is threading.main_thread():
         # SIGTERM (a scheduler's stop, torchrun stopping its workers) ends a run as Ctrl-C does:
         # the files of the evaluations done are complete and summary.json says "interrupted"
         signal.signal(signal.SIGTERM, _terminate)
@@ -427,5 +427,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cdsgd {args.verb}: error: {e}", file=safe_stream(sys.stderr))
         return status
     finally:
-        if args.verb == "run" and threading.current_thread() is threading.main_thread():
+        if args.verb in ("run", "sweep") and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # leaving: a late SIGTERM just ends the process

@@ -44,6 +44,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -57,6 +58,7 @@ from .checkpoint import config_for_checkpoint
 from .config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
 from .files import atomic_write
 from .plan import validate_config
+from .runtime.group import Terminated
 
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
 
@@ -253,14 +255,24 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
         spec.write_text(dump_config(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "cdsgd", "run", str(spec), "--no-progress"],
-                           capture_output=True, text=True, env=env)
+        with lock:
+            if stopping:
+                raise Terminated("the sweep was stopped before this run started")
+            p = subprocess.Popen([sys.executable, "-m", "cdsgd", "run", str(spec), "--no-progress"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            live.add(p)
+        stdout, stderr = p.communicate()
+        with lock:
+            live.discard(p)
         spec.unlink(missing_ok=True)
-        (r.folder / "run.log").write_text(p.stdout + p.stderr)
-        return r, p.returncode == 0, _last_error_line(p.stderr) if p.returncode else p.stdout.strip(), \
+        (r.folder / "run.log").write_text(stdout + stderr)
+        return r, p.returncode == 0, _last_error_line(stderr) if p.returncode else stdout.strip(), \
             time.perf_counter() - t0
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    live: set[subprocess.Popen] = set()  # the runs in progress
+    lock, stopping = threading.Lock(), False
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
         futures = [pool.submit(one, r) for r in todo]
         for i, fut in enumerate(as_completed(futures), 1):
             r, ok, msg, secs = fut.result()
@@ -274,6 +286,20 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
             else:
                 failed.append((name, msg))
                 log(f"[{i}/{len(todo)}] FAILED  {name} ({secs:.0f} s): {msg}")
+    except Terminated:
+        # SIGTERM reached the sweep alone (``kill PID``, a scheduler stopping the job's main process): pass it
+        # on to the runs, which write their files and say "interrupted", rather than leave them running
+        # without the sweep. (Ctrl-C reaches every process of the terminal's group by itself.)
+        with lock:
+            stopping = True
+            for p in live:
+                p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        log(f"cdsgd sweep: stopped; the runs in progress were stopped too. Run the same command again to "
+            f"continue: finished runs are skipped, interrupted ones resume ({out})")
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     rows = collect(out)
     log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(diverged)} diverged, {len(failed)} failed; "
         f"{len(rows)} rows in {out / 'results.csv'}")

@@ -396,3 +396,35 @@ def test_eta_of_a_resumed_run_uses_the_clocks_since_step_0():
     """The executor's clocks survive a checkpoint: 100 steps in 100 s mean 1 s a step, whatever the resume step."""
     p = Progress(total=200, every=50, mode="off", log=lambda m: None, timing=lambda: (100.0, 8.0, 2), initial=90)
     assert p.eta(100) == pytest.approx(100 * 1.0 + 2 * 4.0)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")
+def test_a_stopped_sweep_stops_its_runs(tmp_path):
+    """SIGTERM to the sweep alone (``kill PID``) reaches the run in progress, which writes its files and says
+    "interrupted"; no run is left behind without its sweep, and none starts after the stop."""
+    spec = tmp_path / "s.toml"
+    spec.write_text('[base]\ndataset = "synthetic"\nmodel = "logreg"\nn_agents = 4\nbatch_size = 16\nlr = 0.1\n'
+                    'epochs = 400\n[grid]\nseed = [0, 1, 2]\n')
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "-m", "cdsgd", "sweep", str(spec), "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = out / "seed=0" / "metrics.csv"
+    deadline = time.monotonic() + 300
+    while not first.exists() or len(first.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 143, (stdout, stderr)
+    assert "cdsgd sweep: stopped by SIGTERM" in stderr and "Run the same command again to continue" in stdout
+    assert json.loads((out / "seed=0" / "summary.json").read_text())["status"] == "interrupted"
+    assert not (out / "seed=1" / "summary.json").exists() and not (out / "seed=2" / "summary.json").exists()
+    left = [c for c in (pathlib.Path("/proc").glob("[0-9]*/cmdline")) if _reads(c).find(str(out)) >= 0]
+    assert not left, [_reads(c) for c in left]
+
+
+def _reads(path) -> str:
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # the process ended while we looked
+        return ""
