@@ -42,16 +42,18 @@ def test_cdmsgd_learns_japanese_vowels_with_bucketing(tmp_path):
     assert summary["consensus_distance"] < 0.5
 
 
-def test_a_short_plaid_run_learns_above_chance(tmp_path):
-    """PLAID (11 appliance classes, lengths 100..1344) is hard for an LSTM on raw current: after 6 epochs the
-    agents are above the majority-class rate of the test set (0.162) by at least 0.04."""
-    cfg = load_config(overrides=["dataset=plaid", "model=lstm", "model_params={hidden = 32}", "n_agents=4",
-                                 "batch_size=16", "lr=0.1", "momentum=0.9", "bucketing=8", "epochs=6",
-                                 "eval_every=6", f"out={tmp_path / 'run'}"])
+def test_a_short_plaid_run_learns_far_above_chance(tmp_path):
+    """PLAID (11 appliance classes) with the settings docs/sequences.md recommends (series z-normalised, averaged
+    by 4; LSTM hidden 64, lr 0.5, momentum 0.9, gradients clipped at 1, 8 buckets): after 8 of the 40 epochs the
+    study runs the agents are at twice the majority-class rate of the test set (0.162) or more (0.41-0.48 measured
+    over 3 seeds and 1-8 buckets)."""
+    cfg = load_config(overrides=["dataset=plaid", "model=lstm", "n_agents=4", "batch_size=16", "lr=0.5",
+                                 "momentum=0.9", "grad_clip=1", "bucketing=8", "epochs=8", "eval_every=8",
+                                 f"out={tmp_path / 'run'}"])
     summary = _quiet(cfg)
     y = load_dataset("plaid", "data").test[1]
     majority = torch.bincount(y).max().item() / len(y)
-    assert summary["test_accuracy"] >= majority + 0.04, (summary["test_accuracy"], majority)
+    assert summary["test_accuracy"] >= 2 * majority, (summary["test_accuracy"], majority)
 
 
 def test_each_agent_buckets_its_own_shard():
