@@ -224,6 +224,8 @@ def sweep_figures(folder) -> dict:
     for r in results:
         groups.setdefault((tuple(r[k] for k in facet_keys), r[hue] if hue else "", r[style] if style else ""),
                           []).append(r)
+    # groups (and legends) in the order of their values: 2 before 16, as the colours go
+    ordered = sorted(groups.items(), key=lambda g: ([_order(v) for v in g[0][0]], _order(g[0][1]), _order(g[0][2])))
     # the average model x̄'s accuracy beside the agents' mean: they differ most on non-IID data
     models = [("test_accuracy", "agents' own models (mean)")]
     if np.isfinite([_num(r.get("test_accuracy_avg_model")) for r in results]).any():
@@ -258,13 +260,17 @@ def sweep_figures(folder) -> dict:
                     ax.sharey(row[0])
         return fig, out
 
+    rank = {}
+    for (_, h, st), _runs in ordered:
+        rank.setdefault(label(h, st), len(rank))
+
     def finish(fig, axes, title):
         seen = {}
         for ax in (ax for row in axes for ax in row):  # every panel: a group may appear in some panels only
             ax.grid(alpha=0.3)
             for h, lab in zip(*ax.get_legend_handles_labels()):
                 seen.setdefault(lab, h)
-        seen = dict(sorted(seen.items()))
+        seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0], len(rank))))
         fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=8)
         fig.suptitle(title, fontsize=11)
         fig.tight_layout(rect=(0, 0, 1 - 3.0 / fig.get_figwidth(), 0.95))
@@ -280,7 +286,7 @@ def sweep_figures(folder) -> dict:
     ):
         fig, axes = panels(len(columns))
         drawn = []  # every (x, values) plotted: the axes' scales are decided on all of them
-        for (f, h, st), runs in sorted(groups.items()):
+        for (f, h, st), runs in ordered:
             for ax, column in zip(axes[facets.index(f)], columns):
                 rows = [series(r["run"]) for r in runs]
                 n = min(len(x) for x in rows)
@@ -316,7 +322,7 @@ def sweep_figures(folder) -> dict:
         scale, unit, logx = _bytes_axis([_num(r[xcol]) for r in results]) if "{}" in xlabel else (1.0, "", False)
         fig, axes = panels(len(models))
         xs_all = []
-        for (f, h, st), runs in sorted(groups.items()):
+        for (f, h, st), runs in ordered:
             for ax, (column, _) in zip(axes[facets.index(f)], models):
                 xs = np.array([_num(r[xcol]) for r in runs]) / scale
                 ys = np.array([_num(r.get(column)) for r in runs])

@@ -170,6 +170,18 @@ def test_text_valued_keys_keep_their_order_and_colours(tmp_path):
     assert colours == {"topology=complete": "C0", "topology=ring": "C1", "topology=star": "C2"}
 
 
+def test_numeric_keys_are_listed_in_numeric_order(tmp_path):
+    """The legend read "bucketing=1, 16, 2, 4, 8" (text order) while the colours went by value."""
+    runs = [{"bucketing": k, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for k in (16, 2, 1, 8)]
+    for name, fig in sweep_figures(make_sweep(tmp_path, runs)).items():
+        (legend,) = fig.legends
+        assert [t.get_text() for t in legend.get_texts()] == [f"bucketing={k}" for k in (1, 2, 8, 16)], name
+        if name in ("accuracy_vs_epoch.png", "consensus_vs_epoch.png", "loss_vs_time.png"):  # curves
+            colours = {line.get_label(): line.get_color() for ax in visible_axes(fig) for line in ax.get_lines()}
+            assert colours == {"bucketing=1": "C0", "bucketing=2": "C1", "bucketing=8": "C2",
+                               "bucketing=16": "C3"}, name
+
+
 def test_whole_epochs_get_integer_ticks_in_sweeps(tmp_path):
     runs = [{"topology": t, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for t in ("ring", "star")]
     ax = visible_axes(sweep_figures(make_sweep(tmp_path, runs))["accuracy_vs_epoch.png"])[0]
