@@ -4,6 +4,7 @@ Run::
 
     python benchmarks/bucketing.py [--datasets plaid synthetic_seq] [--epochs 8] [--hidden 32] [--cost-model]
     OMP_NUM_THREADS=1 python benchmarks/bucketing.py --time-to-loss --epochs 30   # ~11 min
+    python benchmarks/bucketing.py --from-sweep runs/plaid_buckets   # the same table from the study's sweep
 
 For each data set (PLAID from sktime's files, and ``synthetic_seq``) and an
 LSTM classifier trained by the simulator on one agent (``msgd``, batch 32),
@@ -155,21 +156,44 @@ def learning_curve(k: int, rule: str, seed: int, epochs: int, out: str):
     cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={rule}", f"epochs={epochs}", "eval_every=1",
                              f"seed={seed}", f"out={out}", "overwrite=true"])
     run_experiment(cfg, progress=False, log=lambda line: None)
-    rows = np.atleast_1d(np.genfromtxt(pathlib.Path(out) / "metrics.csv", delimiter=",", names=True))  # 1 row: 0-d
+    return read_curve(out)
+
+
+def read_curve(folder) -> tuple:
+    """(epoch, test loss, training seconds) per evaluation, from a run folder's metrics.csv."""
+    rows = np.atleast_1d(np.genfromtxt(pathlib.Path(folder) / "metrics.csv", delimiter=",", names=True))  # 1: 0-d
     return rows["epoch"], rows["test_loss"], rows["wall_seconds"]
 
 
-def time_to_loss(epochs: int, buckets, rules, seeds) -> None:
-    """The table of ``--time-to-loss`` (see the module docstring)."""
+def sweep_curves(folder) -> tuple[dict, int, tuple, tuple]:
+    """The curves of a finished sweep of the settings that learn (experiments/sequences/plaid_buckets.toml):
+    ({(buckets, rule, seed): curve}, epochs, bucket counts, seeds), from its run folders."""
+    from cdsgd.config import load_config
+
+    curves, epochs = {}, set()
+    for cfg_path in sorted(pathlib.Path(folder).glob("*/config.toml")):
+        cfg = load_config(cfg_path)
+        k = 1 if cfg.bucketing <= 1 else cfg.bucketing
+        curves[k, cfg.bucket_rule if k > 1 else "optimal", cfg.seed] = read_curve(cfg_path.parent)
+        epochs.add(cfg.epochs)
+    if len(epochs) != 1 or not any(k == 1 for k, _, _ in curves):
+        raise SystemExit(f"{folder}: expected runs of one epoch count with an unbucketed baseline (bucketing=1), "
+                         f"found epochs {sorted(epochs)}, bucket counts {sorted({k for k, _, _ in curves})}")
+    return curves, epochs.pop(), tuple(sorted({k for k, _, _ in curves})), tuple(sorted({s for _, _, s in curves}))
+
+
+def time_to_loss(epochs: int, buckets, rules, seeds, curves=None) -> None:
+    """The table of ``--time-to-loss`` (see the module docstring); ``curves`` given: those, nothing is run."""
     ds = load_dataset("plaid", "data")
     lengths = sequence_lengths(ds.train[0]).numpy()
     cases = [(1, "optimal")] + [(k, r) for k in buckets if k > 1 for r in rules]
-    curves = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for k, rule in cases:
-            for seed in seeds:
-                curves[k, rule, seed] = learning_curve(k, rule, seed, epochs, f"{tmp}/{k}-{rule}-{seed}")
-                print(f"# done {k} {rule} seed {seed}", file=sys.stderr, flush=True)
+    if curves is None:
+        curves = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for k, rule in cases:
+                for seed in seeds:
+                    curves[k, rule, seed] = learning_curve(k, rule, seed, epochs, f"{tmp}/{k}-{rule}-{seed}")
+                    print(f"# done {k} {rule} seed {seed}", file=sys.stderr, flush=True)
     ep = curves[1, "optimal", seeds[0]][0]
     window = (ep >= 0.7 * epochs) & (ep <= 0.9 * epochs)
     if not window.any():  # too few epochs for a window: the evaluation nearest 80 %
@@ -222,7 +246,16 @@ def main(argv=None) -> int:
                         help="--time-to-loss: bucket counts besides the unbucketed baseline")
     parser.add_argument("--rules", nargs="+", default=list(RULES), help="--time-to-loss: boundary rules")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="--time-to-loss: seeds")
+    parser.add_argument("--from-sweep", metavar="DIR",
+                        help="the --time-to-loss table from a finished sweep of "
+                             "experiments/sequences/plaid_buckets.toml in DIR (no runs)")
     args = parser.parse_args(argv)
+    if args.from_sweep:
+        curves, epochs, buckets, seeds = sweep_curves(args.from_sweep)
+        print(f"# benchmarks/bucketing.py --from-sweep {args.from_sweep}  {epochs} epochs, buckets "
+              f"{list(buckets)}, seeds {list(seeds)}")
+        time_to_loss(epochs, [k for k in buckets if k > 1], ["optimal"], seeds, curves)
+        return 0
     if args.time_to_loss:
         torch.set_num_threads(1)  # two threads on two busy cores were measured 10-50x slower
         print(f"# benchmarks/bucketing.py --time-to-loss  {datetime.datetime.now():%Y-%m-%d %H:%M}  "

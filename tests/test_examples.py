@@ -52,6 +52,9 @@ def _doc_examples() -> list[tuple[str, str]]:
                     part = part.split("|")[0].strip()
                     part = part[2:] if part.startswith("$ ") else part
                     words = part.split()
+                    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # OMP_NUM_THREADS=1 cdsgd ...
+                        words = words[1:]
+                    part = " ".join(words)
                     if not words or words[0] != "cdsgd":
                         continue
                     if len(words) > 1 and (words[1].endswith(":") or words[2:3] and words[2].startswith("(")):
