@@ -2,7 +2,8 @@ r"""Buckets agreed across agents (``bucket_sync``): step time and padding in the
 
 Run::
 
-    python benchmarks/bucket_sync.py [--dataset synthetic_seq] [--agents 2] [--buckets 8] [--epochs 2] [--repeats 2]
+    python benchmarks/bucket_sync.py [--dataset synthetic_seq] [--dataset-params '{subsample = 1}'] [--agents 2]
+                                     [--buckets 8] [--epochs 2] [--repeats 2]
 
 For ``msgd`` (gradients averaged every step) and ``cdmsgd`` (neighbour
 mixing), with and without ``bucket_sync``, it launches
@@ -61,10 +62,10 @@ ALGORITHMS = ("msgd", "cdmsgd")
 
 def overrides(args, algorithm: str, sync: bool) -> list[str]:
     topology = "path" if args.agents == 2 else "ring"
-    return [f"dataset={args.dataset}", "model=gru", "model_params={hidden = 32}", f"n_agents={args.agents}",
-            f"topology={topology}", "batch_size=32", f"bucketing={args.buckets}", f"bucket_sync={str(sync).lower()}",
-            f"algorithm={algorithm}", "lr=0.05", "momentum=0.9", f"epochs={args.epochs}", f"eval_every={max(1, math.ceil(args.epochs))}",
-            "test_subset=200"]
+    return [f"dataset={args.dataset}", f"dataset_params={args.dataset_params}", "model=gru",
+            "model_params={hidden = 32}", f"n_agents={args.agents}", f"topology={topology}", "batch_size=32",
+            f"bucketing={args.buckets}", f"bucket_sync={str(sync).lower()}", f"algorithm={algorithm}", "lr=0.05",
+            "momentum=0.9", f"epochs={args.epochs}", f"eval_every={max(1, math.ceil(args.epochs))}", "test_subset=200"]
 
 
 def padding(cfg, steps: int) -> tuple[float, float, float, float]:
@@ -101,13 +102,15 @@ def launch(args, algorithm: str, sync: bool, out: pathlib.Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", default="synthetic_seq", help="synthetic_seq or plaid")
+    parser.add_argument("--dataset-params", default="{}",
+                        help="the config key dataset_params, e.g. '{subsample = 1}' for PLAID's full-length series")
     parser.add_argument("--agents", type=int, default=2, help="agents (split between the 2 ranks)")
     parser.add_argument("--buckets", type=int, default=8)
     parser.add_argument("--epochs", type=float, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--padding-only", action="store_true", help="no runs: the padding columns only")
     args = parser.parse_args(argv)
-    print(f"{args.dataset}, {args.agents} agents on 2 gloo ranks, GRU hidden 32, batch 32, "
+    print(f"{args.dataset} {args.dataset_params}, {args.agents} agents on 2 gloo ranks, GRU hidden 32, batch 32, "
           f"bucketing={args.buckets}, {args.epochs:g} epochs, fastest of {args.repeats}\n")
     print("| algorithm | bucket_sync | steps | s/step | padded | step-padded | mean L_step | rank steps |")
     print("|---|---|---|---|---|---|---|---|")
