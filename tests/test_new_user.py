@@ -296,8 +296,11 @@ def test_a_run_is_not_written_into_a_sweep_folder(tmp_path):
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs POSIX signals")
 def test_interrupted_run_says_how_to_continue(tmp_path):
     out = tmp_path / "r"
+    # SIGINT as a terminal's Ctrl-C delivers it, even when pytest itself was started in the background
+    # (`cmd &` in a script starts it with SIGINT ignored, and the child would inherit that)
     p = subprocess.Popen([sys.executable, "-m", "cdsgd", "run", *TINY, "epochs=400", "checkpoint_every=1",
-                          f"out={out}", "--no-progress"], stderr=subprocess.PIPE, text=True)
+                          f"out={out}", "--no-progress"], stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not (out / "metrics.csv").exists() or len((out / "metrics.csv").read_text().splitlines()) < 2:
         assert time.monotonic() < deadline and p.poll() is None
