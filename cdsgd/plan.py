@@ -24,7 +24,6 @@ the loader returned and runs the model on two training inputs. See
 from __future__ import annotations
 
 import inspect
-
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path

@@ -331,12 +331,11 @@ def _sktime_files(name: str, problem: str) -> tuple[Path, Path]:
 
 
 def _load_ts_pair(name: str, problem: str, normalize: str, subsample: int = 1) -> Dataset:
-    if isinstance(subsample, bool) or not isinstance(subsample, (int, np.integer)) or subsample < 1:
-        raise ValueError(f"{name}: subsample must be an integer ≥ 1, got {subsample!r}")
+    subsample = _int_option("subsample", subsample, 1, name)
     train_file, test_file = _sktime_files(name, problem)
     (xtr, ytr), (xte, yte) = read_ts(train_file), read_ts(test_file)
     if subsample > 1:
-        xtr, xte = ([_subsample(s, int(subsample)) for s in xs] for xs in (xtr, xte))
+        xtr, xte = ([_subsample(s, subsample) for s in xs] for xs in (xtr, xte))
     return _sequence_dataset(name, (xtr, ytr), (xte, yte), normalize=normalize)
 
 
@@ -367,9 +366,9 @@ def _load_japanese_vowels(data_dir: Path, download: bool, *, normalize: str = "s
 # --------------------------------------------------------------------------- #
 
 
-def _int_option(name: str, value, minimum: int) -> int:
+def _int_option(name: str, value, minimum: int, dataset: str = "synthetic_seq") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"synthetic_seq: {name} must be an integer ≥ {minimum}, got {value!r}")
+        raise ValueError(f"{dataset}: {name} must be an integer ≥ {minimum}, got {value!r}")
     return int(value)
 
 
