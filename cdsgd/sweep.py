@@ -294,12 +294,12 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
             stopping = True
             for p in live:
                 p.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        log(f"cdsgd sweep: stopped; the runs in progress were stopped too. Run the same command again to "
-            f"continue: finished runs are skipped, interrupted ones resume ({out})")
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # the runs in progress end (and write their files) first
+        if stopping:
+            log(f"cdsgd sweep: stopped; the runs in progress were stopped too. Run the same command again to "
+                f"continue: finished runs are skipped, interrupted ones resume ({out})")
     rows = collect(out)
     log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(diverged)} diverged, {len(failed)} failed; "
         f"{len(rows)} rows in {out / 'results.csv'}")
