@@ -250,7 +250,7 @@ def test_simulator_padding_per_step_all_agents_in_one_bucket():
     assert any(len(r) > 1 for r in per_step["false"])
 
 
-def test_cli_run_with_bucket_sync_completes_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+def test_cli_run_with_bucket_sync_completes_and_resumes_bit_for_bit(tmp_path, monkeypatch, interrupt_at):
     base = [*SEQ, "bucket_sync=true", "epochs=1", "checkpoint_every=2", "checkpoint_unit=steps", "save_params=true"]
     ref = tmp_path / "ref"
     assert main(["run", *base, f"out={ref}", "--no-progress"]) == 0
@@ -258,14 +258,7 @@ def test_cli_run_with_bucket_sync_completes_and_resumes_bit_for_bit(tmp_path, mo
     assert summary["status"] == "completed", summary
     assert summary["steps_per_epoch"] == prepare(load_config(overrides=base)).steps_per_epoch > 5
     out = tmp_path / "run"
-    real = Simulator.step
-
-    def stop_at_5(self):
-        if self.k == 5:
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(Simulator, "step", stop_at_5)
+    interrupt_at(5)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(load_config(overrides=[*base, f"out={out}"]), progress=False, log=lambda m: None)
     monkeypatch.undo()
@@ -277,17 +270,10 @@ def test_cli_run_with_bucket_sync_completes_and_resumes_bit_for_bit(tmp_path, mo
 
 def test_runtime_with_bucket_sync_agrees_with_the_simulator(tmp_path):
     """Both executors build the same streams: 2 gloo ranks end where the simulator ends."""
-    import subprocess
-    import sys
+    from test_runtime_run import run_pair
 
     common = ["dataset=synthetic_seq", "model=gru", "model_params={hidden = 8}", "n_agents=2", "topology=path",
               "batch_size=16", "train_subset=160", "test_subset=32", "bucketing=4", "bucket_sync=true", "epochs=1",
               "lr=0.1", "save_params=true"]
-    sim, tor = tmp_path / "sim", tmp_path / "torch"
-    r = subprocess.run([sys.executable, "-m", "cdsgd", "run", *common, f"out={sim}", "--no-progress"],
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "2", *common, f"out={tor}"],
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
+    sim, tor = run_pair(tmp_path, common, 2)
     torch.testing.assert_close(torch.load(tor / "params.pt"), torch.load(sim / "params.pt"), rtol=0, atol=1e-5)

@@ -14,7 +14,7 @@ import torch
 
 import topologies
 from dist_harness import run_ranks
-from test_runtime_run import BASE, NO_WALL, cli, metrics
+from test_runtime_run import BASE, NO_WALL, cli, metrics, run_pair
 
 from cdsgd.algorithms import make_algorithm
 from cdsgd.mixing import MatrixMixer
@@ -103,13 +103,7 @@ HYBRID = ["dataset=digits", "model=mlp", "epochs=2", "batch_size=16", "save_para
 
 
 def _run_pair(tmp_path, n, procs, extra):
-    sim, tor = tmp_path / "sim", tmp_path / "torch"
-    args = [*HYBRID, f"n_agents={n}", *extra]
-    r = cli("run", *args, f"out={sim}", "--no-progress")
-    assert r.returncode == 0, r.stderr
-    r = cli("launch", "--nproc-per-node", str(procs), *args, f"out={tor}", timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return sim, tor
+    return run_pair(tmp_path, [*HYBRID, f"n_agents={n}", *extra], procs, launch_timeout=300)
 
 
 @pytest.mark.parametrize("n,procs,topology,alg,extra", [

@@ -15,7 +15,6 @@ import torch
 from cdsgd import checkpoint as ckpt
 from cdsgd.config import load_config
 from cdsgd.experiment import run_experiment
-from cdsgd.simulator import Simulator
 
 # a CNN with dropout on 8x8 digits, with augmentation and momentum: every random stream matters.
 # 4 agents x 60 samples / batch 16 = 4 steps per epoch; checkpoints every 3 steps fall mid-epoch.
@@ -32,17 +31,6 @@ def _metrics_without_wall(out):
         rows = list(csv.reader(f))
     wall = rows[0].index("wall_seconds")
     return [r[:wall] + r[wall + 1:] for r in rows]
-
-
-def _interrupt_at(monkeypatch, step):
-    real = Simulator.step
-
-    def step_then_stop(self):
-        if self.k == step:
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(Simulator, "step", step_then_stop)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +52,10 @@ def test_checkpoints_do_not_change_the_run(reference, tmp_path):
 
 
 @pytest.mark.parametrize("stop_at", [5, 7, 11])
-def test_resume_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path, monkeypatch, stop_at):
+def test_resume_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path, monkeypatch, interrupt_at, stop_at):
     out = tmp_path / "run"
     logs = []
-    _interrupt_at(monkeypatch, stop_at)
+    interrupt_at(stop_at)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(_cfg(out, "checkpoint_every=3", "checkpoint_unit=steps"), progress=False, log=logs.append)
     summary = json.loads((out / "summary.json").read_text())
@@ -196,7 +184,7 @@ def test_checkpoint_files_are_written_atomically(tmp_path):
     assert ckpt.steps_on_disk(tmp_path, 0) == [4]
 
 
-def test_sweep_continues_a_stopped_run_from_its_checkpoint(reference, tmp_path, monkeypatch):
+def test_sweep_continues_a_stopped_run_from_its_checkpoint(reference, tmp_path, monkeypatch, interrupt_at):
     """`cdsgd sweep` re-run after a stop: the unfinished run resumes (resume=true), the result is unchanged."""
     from cdsgd import cli
     from cdsgd.sweep import load_sweep
@@ -206,7 +194,7 @@ def test_sweep_continues_a_stopped_run_from_its_checkpoint(reference, tmp_path, 
                      for k, v in (kv.split("=", 1) for kv in BASE))
     spec.write_text(f"[base]\n{base}\ncheckpoint_every = 3\ncheckpoint_unit = \"steps\"\n[grid]\nseed = [0]\n")
     (run,) = load_sweep(spec, tmp_path / "out")
-    _interrupt_at(monkeypatch, 7)
+    interrupt_at(7)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(run.config, progress=False, log=lambda m: None)
     monkeypatch.undo()

@@ -17,7 +17,7 @@ import topologies
 from cdsgd import cli
 from cdsgd.config import load_config
 from cdsgd.experiment import run_experiment, validate_config
-from cdsgd.simulator import METRIC_COLUMNS, Simulator
+from cdsgd.simulator import METRIC_COLUMNS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONTRACT_COLUMNS = ["epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_accuracy_avg_model",
@@ -89,16 +89,9 @@ def test_nonempty_out_refused(tmp_path):
     assert (tmp_path / "x.txt").read_text() == "keep me"
 
 
-def test_interrupt_leaves_complete_files(tmp_path, monkeypatch):
+def test_interrupt_leaves_complete_files(tmp_path, interrupt_at):
     out = tmp_path / "int"
-    real_step = Simulator.step
-
-    def step(self):
-        if self.k == 2 * self.steps_per_epoch + 1:  # mid-way through epoch 3
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(Simulator, "step", step)
+    interrupt_at(lambda sim: 2 * sim.steps_per_epoch + 1)  # mid-way through epoch 3
     status = cli.main(["run", *SMALL, "epochs=5", f"out={out}", "--no-progress"])
     assert status == 130
     rows = read_metrics(out)

@@ -33,13 +33,19 @@ def metrics(out):
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def run_both(tmp_path, extra, name):
-    sim, tor = tmp_path / f"{name}-sim", tmp_path / f"{name}-torch"
-    r = cli("run", *BASE, *extra, f"out={sim}", "--no-progress")
+def run_pair(tmp_path, args, procs, name="", *, timeout=240, launch_timeout=240):
+    """The same config run by the simulator (``cdsgd run``) and by ``cdsgd launch`` over ``procs`` processes,
+    both required to succeed; their output folders ``NAMEsim`` and ``NAMEtorch``."""
+    sim, tor = tmp_path / f"{name}sim", tmp_path / f"{name}torch"
+    r = cli("run", *args, f"out={sim}", "--no-progress", timeout=timeout)
     assert r.returncode == 0, r.stderr
-    r = cli("launch", "--nproc-per-node", "4", *BASE, *extra, f"out={tor}")
+    r = cli("launch", "--nproc-per-node", str(procs), *args, f"out={tor}", timeout=launch_timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     return sim, tor
+
+
+def run_both(tmp_path, extra, name):
+    return run_pair(tmp_path, [*BASE, *extra], 4, f"{name}-")
 
 
 @pytest.mark.parametrize("alg,extra", [
@@ -135,10 +141,7 @@ def test_paper_ring_weights_reach_the_runtime(tmp_path):
     """A weighted graph file (the paper's 0.34/0.33 ring) runs under the runtime like in the simulator."""
     ring = os.path.join(os.path.dirname(__file__), "..", "experiments", "topologies", "paper_ring5.edgelist")
     extra = [f"topology={os.path.abspath(ring)}", "mixing=weight", "n_agents=5", "epochs=1"]
-    sim, tor = tmp_path / "ps", tmp_path / "pt"
-    assert cli("run", *BASE, *extra, f"out={sim}", "--no-progress").returncode == 0
-    r = cli("launch", "--nproc-per-node", "5", *BASE, *extra, f"out={tor}")
-    assert r.returncode == 0, r.stderr
+    sim, tor = run_pair(tmp_path, [*BASE, *extra], 5)
     np.testing.assert_allclose(torch.load(tor / "params.pt").numpy(), torch.load(sim / "params.pt").numpy(),
                                rtol=0, atol=1e-5)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -85,19 +84,12 @@ def test_bucketing_is_refused_on_image_data(tmp_path):
         _quiet(cfg)
 
 
-def test_resume_with_bucketed_streams_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_with_bucketed_streams_equals_the_uninterrupted_run(tmp_path, monkeypatch, interrupt_at):
     base = [*VOWELS, "epochs=4", "checkpoint_every=3", "checkpoint_unit=steps", "save_params=true"]
     ref = tmp_path / "ref"
     _quiet(load_config(overrides=[*base, f"out={ref}"]))
     out = tmp_path / "run"
-    real = Simulator.step
-
-    def stop_at_8(self):
-        if self.k == 8:
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(Simulator, "step", stop_at_8)
+    interrupt_at(8)
     with pytest.raises(KeyboardInterrupt):
         _quiet(load_config(overrides=[*base, f"out={out}"]))
     monkeypatch.undo()
@@ -114,16 +106,9 @@ def test_centralized_baseline_with_bucketing(tmp_path):
 
 
 def test_runtime_with_bucketing_agrees_with_the_simulator(tmp_path):
-    import subprocess
+    from test_runtime_run import run_pair
 
-    common = [*VOWELS, "epochs=2", "save_params=true"]
-    sim, tor = tmp_path / "sim", tmp_path / "torch"
-    r = subprocess.run([sys.executable, "-m", "cdsgd", "run", *common, f"out={sim}", "--no-progress"],
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "cdsgd", "launch", "--nproc-per-node", "4", *common, f"out={tor}"],
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
+    sim, tor = run_pair(tmp_path, [*VOWELS, "epochs=2", "save_params=true"], 4)
     torch.testing.assert_close(torch.load(tor / "params.pt"), torch.load(sim / "params.pt"), rtol=0, atol=1e-5)
     a, b = json.loads((sim / "summary.json").read_text()), json.loads((tor / "summary.json").read_text())
     assert a["steps_per_epoch"] == b["steps_per_epoch"]
