@@ -165,9 +165,9 @@ def read_curve(folder) -> tuple:
     return rows["epoch"], rows["test_loss"], rows["wall_seconds"]
 
 
-def sweep_curves(folder) -> tuple[dict, int, tuple, tuple]:
+def sweep_curves(folder) -> tuple[dict, float, tuple, tuple, tuple]:
     """The curves of a finished sweep of the settings that learn (experiments/sequences/plaid_buckets.toml):
-    ({(buckets, rule, seed): curve}, epochs, bucket counts, seeds), from its run folders."""
+    ({(buckets, rule, seed): curve}, epochs, bucket counts, rules of the bucketed runs, seeds), from its runs."""
     from cdsgd.config import load_config
 
     curves, epochs = {}, set()
@@ -179,7 +179,8 @@ def sweep_curves(folder) -> tuple[dict, int, tuple, tuple]:
     if len(epochs) != 1 or not any(k == 1 for k, _, _ in curves):
         raise SystemExit(f"{folder}: expected runs of one epoch count with an unbucketed baseline (bucketing=1), "
                          f"found epochs {sorted(epochs)}, bucket counts {sorted({k for k, _, _ in curves})}")
-    return curves, epochs.pop(), tuple(sorted({k for k, _, _ in curves})), tuple(sorted({s for _, _, s in curves}))
+    return (curves, epochs.pop(), tuple(sorted({k for k, _, _ in curves})),
+            tuple(sorted({r for k, r, _ in curves if k > 1})), tuple(sorted({s for _, _, s in curves})))
 
 
 def time_to_loss(epochs: int, buckets, rules, seeds, curves=None) -> None:
@@ -251,10 +252,10 @@ def main(argv=None) -> int:
                              "experiments/sequences/plaid_buckets.toml in DIR (no runs)")
     args = parser.parse_args(argv)
     if args.from_sweep:
-        curves, epochs, buckets, seeds = sweep_curves(args.from_sweep)
-        print(f"# benchmarks/bucketing.py --from-sweep {args.from_sweep}  {epochs} epochs, buckets "
-              f"{list(buckets)}, seeds {list(seeds)}")
-        time_to_loss(epochs, [k for k in buckets if k > 1], ["optimal"], seeds, curves)
+        curves, epochs, buckets, rules, seeds = sweep_curves(args.from_sweep)
+        print(f"# benchmarks/bucketing.py --from-sweep {args.from_sweep}  {epochs:g} epochs, buckets "
+              f"{list(buckets)}, rules {list(rules)}, seeds {list(seeds)}")
+        time_to_loss(epochs, [k for k in buckets if k > 1], rules, seeds, curves)
         return 0
     if args.time_to_loss:
         torch.set_num_threads(1)  # two threads on two busy cores were measured 10-50x slower
