@@ -146,15 +146,21 @@ def _default_log(msg: str) -> None:
     print(msg, file=safe_stream(sys.stderr), flush=True)  # a reader gone away stops the output, not the run
 
 
-def _write_failure(out: Path, cfg: Config, e: BaseException, started: float) -> None:
-    """A summary.json for a run that stopped before training (e.g. its data failed to load)."""
-    if (out / "summary.json").exists():
+def _write_failure(out: Path, cfg: Config, e: BaseException, started: float, status: str | None = None) -> None:
+    """The summary.json of a run that stopped before training (e.g. its data failed to load), or whose
+    summary still says ``running`` (a SIGTERM cut short the writing of its final one): ``status``
+    (default: ``interrupted`` for Ctrl-C/SIGTERM, else ``failed``) and the error; the fields it had are kept."""
+    try:
+        had = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        had = {}
+    if had.get("status", "running") != "running":
         return
-    status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-    summary = {"status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
+    status = status or ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+    summary = {**had, "status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
                "out": str(out), **cfg.identity(), "executor": cfg.executor,
-               "total_seconds": time.perf_counter() - started, "torch_version": torch.__version__,
-               "cdsgd_version": __version__}
+               "total_seconds": had.get("total_seconds", 0.0) + time.perf_counter() - started,
+               "torch_version": torch.__version__, "cdsgd_version": __version__}
     if not (out / "config.toml").exists():
         atomic_write(out / "config.toml", dump_config(cfg))
     atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -185,7 +191,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
         torch.set_num_threads(1)  # as each torchrun worker: identical rounding in both executors
     group = join(device=cfg.device, comm_timeout=cfg.comm_timeout, n_agents=cfg.n_agents) \
         if cfg.executor == "torch" else LocalGroup()
-    completed, out = False, None
+    completed, out, failure = False, None, None
     try:
         mode = pick_mode(sys.stderr, progress) if group.rank == 0 else "off"
         if group.rank != 0:
@@ -209,14 +215,17 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
         completed = True
         return summary
     except CommError as e:
-        raise CommError(group.diagnose(e).message, e.peer) from None
+        failure = group.diagnose(e)
+        raise CommError(failure.message, e.peer) from None
     except Terminated as e:
         if isinstance(group, LocalGroup):
             raise
-        raise Terminated(group.diagnose(e).message) from None
+        failure = group.diagnose(e)
+        raise Terminated(failure.message) from None
     finally:
         if not completed and out is not None and group.rank == 0:
-            _write_failure(out, cfg, sys.exc_info()[1], started)  # a no-op once _drive has written its summary
+            e = sys.exc_info()[1]  # a no-op once _drive has written its final summary
+            _write_failure(out, cfg, e, started, status=failure.status(e) if failure and e else None)
         if completed:
             group.close()
         else:
@@ -366,7 +375,10 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
                 + (f" or momentum={cfg.momentum:g}" if "momentum" in hyperparameters(cfg) else ""))
             raise
         except (Exception, KeyboardInterrupt) as e:
-            failure = group.diagnose(e)
+            try:
+                failure = group.diagnose(e)
+            except Terminated:  # torchrun stopping every rank after the same loss, while this rank asked who
+                failure = group.diagnose(e)  # was lost: the loss is the cause; ask again (SIGTERM comes once)
             summary["error"], summary["status"] = failure.message, failure.status(e)
             if summary["status"] == "interrupted":
                 shown.close()

@@ -201,3 +201,44 @@ def test_sweep_continues_a_stopped_run_from_its_checkpoint(reference, tmp_path, 
     assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "out")]) == 0
     assert "continuing from the checkpoint of step 6" in (run.folder / "run.log").read_text()
     assert _metrics_without_wall(run.folder) == _metrics_without_wall(reference)
+
+
+def _sigterm_while_diagnosing(monkeypatch, times):
+    """The group's diagnosis is cut short ``times`` times by a SIGTERM, as torchrun's stop of every rank
+    arrives while a rank that lost a peer asks the store which one (at most once per process in the CLI)."""
+    from cdsgd.runtime import LocalGroup, Terminated
+
+    real, left = LocalGroup.diagnose, [times]
+
+    def diagnose(self, e):
+        if left[0] > 0:
+            left[0] -= 1
+            raise Terminated()
+        return real(self, e)
+
+    monkeypatch.setattr(LocalGroup, "diagnose", diagnose)
+
+
+def test_a_sigterm_while_diagnosing_a_failure_still_ends_it_failed(tmp_path, monkeypatch, interrupt_at):
+    """The loss is the cause: summary.json says failed with its message, never 'running' (a flaky CI run did)."""
+    out = tmp_path / "run"
+    interrupt_at(6, RuntimeError("lost the connection to rank 1"))
+    _sigterm_while_diagnosing(monkeypatch, 1)
+    with pytest.raises(BaseException) as raised:  # not a KeyboardInterrupt: that would stop pytest
+        run_experiment(_cfg(out), progress=False, log=lambda m: None)
+    assert raised.type is RuntimeError and "lost the connection" in str(raised.value)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "lost the connection to rank 1", summary
+    assert summary["evaluations"] == 1  # the evaluation of epoch 1 (step 4) is kept
+
+
+def test_a_summary_left_running_is_completed_with_the_error(tmp_path, monkeypatch, interrupt_at):
+    """Should the failure handler be cut short anyway, the summary written on the way out says so."""
+    out = tmp_path / "run"
+    interrupt_at(6, RuntimeError("lost the connection to rank 1"))
+    _sigterm_while_diagnosing(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(_cfg(out), progress=False, log=lambda m: None)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"] == "Terminated", summary
+    assert summary["evaluations"] == 1 and summary["steps_per_epoch"] == 4
