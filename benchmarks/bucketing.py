@@ -153,10 +153,19 @@ def learning_curve(k: int, rule: str, seed: int, epochs: int, out: str):
     from cdsgd.config import load_config
     from cdsgd.experiment import run_experiment
 
-    cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={rule}", f"epochs={epochs}", "eval_every=1",
-                             f"seed={seed}", f"out={out}", "overwrite=true"])
+    bare, fill = _rule(rule)
+    cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={bare}", f"bucket_fill={str(fill).lower()}",
+                             f"epochs={epochs}", "eval_every=1", f"seed={seed}", f"out={out}", "overwrite=true"])
     run_experiment(cfg, progress=False, log=lambda line: None)
     return read_curve(out)
+
+
+def _rule(rule: str) -> tuple[str, bool]:
+    """``optimal`` or ``optimal+fill`` (with ``bucket_fill``): (the boundary rule, fill)."""
+    bare, _, fill = rule.partition("+")
+    if fill not in ("", "fill"):
+        raise SystemExit(f"rule {rule!r}: expected a boundary rule ({', '.join(RULES)}), optionally with '+fill'")
+    return bare, fill == "fill"
 
 
 def read_curve(folder) -> tuple:
@@ -174,7 +183,8 @@ def sweep_curves(folder) -> tuple[dict, float, tuple, tuple, tuple]:
     for cfg_path in sorted(pathlib.Path(folder).glob("*/config.toml")):
         cfg = load_config(cfg_path)
         k = 1 if cfg.bucketing <= 1 else cfg.bucketing
-        curves[k, cfg.bucket_rule if k > 1 else "optimal", cfg.seed] = read_curve(cfg_path.parent)
+        rule = cfg.bucket_rule + ("+fill" if cfg.bucket_fill else "")
+        curves[k, rule if k > 1 else "optimal", cfg.seed] = read_curve(cfg_path.parent)
         epochs.add(cfg.epochs)
     if len(epochs) != 1 or not any(k == 1 for k, _, _ in curves):
         raise SystemExit(f"{folder}: expected runs of one epoch count with an unbucketed baseline (bucketing=1), "
@@ -214,7 +224,8 @@ def time_to_loss(epochs: int, buckets, rules, seeds, curves=None) -> None:
 
     base = None
     for k, rule in cases:
-        batches = list(BucketBatchSampler(lengths, 16, bucket_boundaries(lengths, k, rule), seed=0))
+        bare, fill = _rule(rule)
+        batches = list(BucketBatchSampler(lengths, 16, bucket_boundaries(lengths, k, bare), seed=0, fill=fill))
         pad = padded_fraction(lengths, batches)
         per_epoch, hit_ep, hit_s, final = [], [], [], []
         for seed in seeds:
@@ -245,7 +256,9 @@ def main(argv=None) -> int:
                         help="only the time-to-target-loss table on PLAID, the settings that learn (see above)")
     parser.add_argument("--buckets", type=int, nargs="+", default=[4, 8, 16],
                         help="--time-to-loss: bucket counts besides the unbucketed baseline")
-    parser.add_argument("--rules", nargs="+", default=list(RULES), help="--time-to-loss: boundary rules")
+    parser.add_argument("--rules", nargs="+", default=list(RULES),
+                        help="--time-to-loss: boundary rules, each optionally with '+fill' (bucket_fill=true), "
+                             "e.g. optimal optimal+fill")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="--time-to-loss: seeds")
     parser.add_argument("--from-sweep", metavar="DIR",
                         help="the --time-to-loss table from a finished sweep of "

@@ -98,6 +98,8 @@ class Config:
                            registry="bucket_rule")
     bucket_sync: bool = key(False, "bucketing: every agent takes its batch from the same bucket at each step "
                             "(common boundaries over all shards, a shared seeded bucket sequence)")
+    bucket_fill: bool = key(False, "bucketing: a bucket's last, partial batch is filled up from the next longer "
+                            "bucket (every batch full but an epoch's last; needs bucket_sync=false)")
     # --- model
     model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru | "
                      "package.module:factory (your own)", registry="model",

@@ -130,6 +130,9 @@ def validate_config(cfg: Config) -> Plan:
     if cfg.checkpoint_unit == "steps" and cfg.checkpoint_every != int(cfg.checkpoint_every):
         raise ValueError(f"checkpoint_every must be a whole number of steps with checkpoint_unit='steps', "
                          f"got {cfg.checkpoint_every}")
+    if cfg.bucket_sync and cfg.bucket_fill:
+        raise ValueError("bucket_fill=true needs bucket_sync=false: with bucket_sync every agent takes its batch "
+                         "from the bucket of the step, which a filled batch would straddle")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
@@ -274,7 +277,7 @@ def _bucketed_streams(cfg: Config, ds, shards) -> dict:
     - ``bucket_sync`` false: agent j's BucketStream over its shard's lengths
       and its own boundaries (by ``bucket_rule``); an epoch is the mean over
       agents of the batches one pass over a shard takes (the last batch of
-      every bucket may be short).
+      every bucket may be short; with ``bucket_fill`` only a pass's last).
     - ``bucket_sync`` true: one set of boundaries for all agents, by
       ``bucket_rule`` over the lengths of all shards together, and agent j's
       SyncBucketStream walking the bucket sequence shared by every agent
@@ -300,9 +303,9 @@ def _bucketed_streams(cfg: Config, ds, shards) -> dict:
             "bucket_boundaries": [list(common) for _ in shards],
         }
     bounds = [bucket_boundaries(ln, cfg.bucketing, cfg.bucket_rule) for ln in lengths]
-    per_pass = [len(BucketBatchSampler(ln, cfg.batch_size, b)) for ln, b in zip(lengths, bounds)]
+    per_pass = [len(BucketBatchSampler(ln, cfg.batch_size, b, fill=cfg.bucket_fill)) for ln, b in zip(lengths, bounds)]
     return {
-        "batch_stream": lambda j, gen: BucketStream(lengths[j], cfg.batch_size, bounds[j], gen),
+        "batch_stream": lambda j, gen: BucketStream(lengths[j], cfg.batch_size, bounds[j], gen, fill=cfg.bucket_fill),
         "steps_per_epoch": max(1, math.ceil(sum(per_pass) / len(per_pass))),
         "bucket_boundaries": bounds,
     }

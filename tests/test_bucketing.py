@@ -331,3 +331,67 @@ def test_stream_refuses_state_of_another_shard():
     other = make_stream(lengths=sample_lengths(n=150)).state_dict()
     with pytest.raises(ValueError, match="bucketed stream state is for 150 samples"):
         make_stream().load_state_dict(other)
+
+
+# --------------------------------------------------------------------------
+# fill (config bucket_fill): a bucket's partial batch carried into the next
+
+
+def test_fill_without_shuffle_cuts_the_bucket_ordered_indices_into_full_batches():
+    lengths = [3, 1, 4, 1, 5, 9, 2, 6]  # buckets by [2, 5, 9]: {1, 3, 6}, {0, 2, 4}, {5, 7}
+    s = BucketBatchSampler(lengths, 2, [2, 5, 9], shuffle=False, fill=True)
+    assert list(s) == [[1, 3], [6, 0], [2, 4], [5, 7]] and len(s) == 4
+    lengths = sample_lengths()
+    bounds = [10, 25, 49]
+    order = np.argsort(bucket_of(lengths, bounds), kind="stable").tolist()
+    filled = list(BucketBatchSampler(lengths, 8, bounds, shuffle=False, fill=True))
+    assert filled == [order[i:i + 8] for i in range(0, len(order), 8)]
+
+
+def test_fill_every_batch_full_but_the_last_each_index_once_and_few_mixed_batches():
+    lengths = sample_lengths()  # 203 lengths: 25 full batches of 8 and one of 3
+    bounds = optimal_bucket_boundaries(lengths, 8)
+    which = bucket_of(lengths, bounds)
+    s = BucketBatchSampler(lengths, 8, bounds, seed=1, fill=True)
+    assert len(s) == 26
+    for _ in range(3):
+        batches = list(s)
+        assert sorted(i for b in batches for i in b) == list(range(203))
+        assert sorted(len(b) for b in batches) == [3] + [8] * 25
+        spans = [sorted({int(which[i]) for i in b}) for b in batches]
+        assert all(sp == list(range(sp[0], sp[-1] + 1)) for sp in spans)  # adjacent buckets only
+        assert sum(len(sp) > 1 for sp in spans) <= len(bounds) - 1
+    # the same seed shuffles each bucket as without fill: only the cut differs
+    plain = BucketBatchSampler(lengths, 8, bounds, seed=1)
+    assert list(plain) != s.epoch_batches(0)
+    dropped = BucketBatchSampler(lengths, 8, bounds, seed=1, fill=True, drop_last=True)
+    kept = list(dropped)
+    assert len(dropped) == len(kept) == 25 and all(len(b) == 8 for b in kept)
+
+
+def test_fill_pads_little_more_than_per_bucket_batches():
+    lengths = np.random.default_rng(6).integers(1, 200, size=2000)
+    one = padded_fraction(lengths, list(BucketBatchSampler(lengths, 32, [int(lengths.max())])))
+    bounds = optimal_bucket_boundaries(lengths, 8)
+    per_bucket = list(BucketBatchSampler(lengths, 32, bounds))
+    filled = list(BucketBatchSampler(lengths, 32, bounds, fill=True))
+    assert len(filled) == 63 < len(per_bucket)
+    assert padded_fraction(lengths, filled) < one / 3
+
+
+@pytest.mark.parametrize("k", [0, 28, 29, 30, 64])  # 29 batches per epoch
+def test_fill_stream_epochs_cover_and_state_round_trips(k):
+    lengths = sample_lengths()
+    s = BucketStream(lengths, 7, [10, 25, 49], torch.Generator().manual_seed(3), fill=True)
+    assert s.batches_per_epoch == 29  # ⌈203 / 7⌉
+    epoch = [s.next().tolist() for _ in range(29)]
+    assert sorted(i for b in epoch for i in b) == list(range(203)) and all(len(b) == 7 for b in epoch)
+    for _ in range(k):
+        s.next()
+    state = s.state_dict()
+    ahead = [s.next().tolist() for _ in range(40)]
+    fresh = BucketStream(lengths, 7, [10, 25, 49], torch.Generator().manual_seed(99), fill=True)
+    fresh.load_state_dict(state)
+    assert [fresh.next().tolist() for _ in range(40)] == ahead
+    with pytest.raises(ValueError, match="bucketed stream state"):
+        make_stream().load_state_dict(state)  # per-bucket batches: 30 of them, not these 29

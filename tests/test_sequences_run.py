@@ -78,6 +78,26 @@ def test_each_agent_buckets_its_own_shard():
         assert sorted(seen) == list(range(len(lengths)))  # one pass: every sequence once
 
 
+def test_bucket_fill_full_batches_as_many_steps_as_without_buckets():
+    cfg = load_config(overrides=[*VOWELS, "bucketing=8", "bucket_fill=true", "partition=classes"])
+    parts = prepare(cfg)
+    sizes = [len(y) for _, y in parts["shards"]]
+    assert parts["steps_per_epoch"] == math.ceil(sum(math.ceil(n / 16) for n in sizes) / 4)
+    sim = Simulator(parts["model_fn"], parts["shards"], parts["W"], "cdmsgd", batch_size=16, lr=0.1,
+                    batch_stream=parts["batch_stream"], steps_per_epoch=parts["steps_per_epoch"])
+    for stream, n in zip(sim.streams, sizes):
+        batches = [stream.next().tolist() for _ in range(math.ceil(n / 16))]
+        assert sorted(i for b in batches for i in b) == list(range(n))
+        assert sorted(map(len, batches))[1:] == [16] * (len(batches) - 1)
+
+
+def test_bucket_fill_with_bucket_sync_is_refused(tmp_path):
+    cfg = load_config(overrides=[*VOWELS, "bucket_fill=true", "bucket_sync=true", f"out={tmp_path / 'x'}"])
+    with pytest.raises(ValueError, match="bucket_fill=true needs bucket_sync=false"):
+        _quiet(cfg)
+    assert not (tmp_path / "x").exists()
+
+
 def test_bucketing_is_refused_on_image_data(tmp_path):
     cfg = load_config(overrides=["bucketing=4", f"out={tmp_path / 'x'}"])
     with pytest.raises(ValueError, match=r"bucketing=4 needs a sequence data set .* not 'digits'"):

@@ -201,3 +201,18 @@ def test_bucketing_study_expands_to_five_bucket_counts(tmp_path, monkeypatch):
         (k, s) for k in (1, 2, 4, 8, 16) for s in (0, 1, 2)]
     assert {(r.config.dataset, r.config.model, r.config.n_agents, r.config.grad_clip, r.config.eval_every)
             for r in runs} == {("plaid", "lstm", 4, 1.0, 1)}
+
+
+def test_bucket_fill_study_is_the_bucketing_study_with_filled_batches(tmp_path, monkeypatch):
+    """experiments/sequences/plaid_buckets_fill.toml: plaid_buckets.toml's settings but bucket_fill=true."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    study = root / "experiments" / "sequences"
+    plain, filled = ({(r.config.bucketing, r.config.seed): r.config for r in load_sweep(study / name, tmp_path / name)}
+                     for name in ("plaid_buckets.toml", "plaid_buckets_fill.toml"))
+    assert sorted(filled) == [(k, s) for k in (1, 4, 8, 16) for s in (0, 1, 2)]
+    for key, cfg in filled.items():
+        assert cfg.bucket_fill
+        assert {**cfg.__dict__, "bucket_fill": False, "out": ""} == {**plain[key].__dict__, "out": ""}

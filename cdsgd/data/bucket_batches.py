@@ -31,26 +31,37 @@ def _buckets(lengths, boundaries) -> list[torch.Tensor]:
     return [torch.from_numpy(part.astype(np.int64)) for part in np.split(order, cuts)]
 
 
-def _n_batches(size: int, batch_size: int, drop_last: bool) -> int:
-    return size // batch_size if drop_last else -(-size // batch_size)
+def _batch_sizes(bucket_sizes, batch_size: int, drop_last: bool, fill: bool) -> list[int]:
+    """The sizes of one epoch's batches, ascending (see :func:`_epoch`)."""
+    if fill:  # every batch full but the epoch's last
+        n = sum(bucket_sizes)
+        return ([n % batch_size] if n % batch_size and not drop_last else []) + [batch_size] * (n // batch_size)
+    sizes = [batch_size] * sum(m // batch_size for m in bucket_sizes)
+    return sorted(sizes + ([] if drop_last else [m % batch_size for m in bucket_sizes if m % batch_size]))
 
 
 def _epoch(buckets: list[torch.Tensor], batch_size: int, drop_last: bool,
-           gen: torch.Generator | None) -> list[torch.Tensor]:
+           gen: torch.Generator | None, fill: bool = False) -> list[torch.Tensor]:
     """One epoch's batches: per bucket (in bucket order) shuffle and cut, then shuffle the batches.
+
+    ``fill``: a bucket's last, partial batch is not cut off; its indices go
+    first into the next (longer) bucket's, so every batch is full but the
+    epoch's last (a batch that straddles two buckets is padded to the longer).
+    ``drop_last`` then drops only that last batch.
 
     ``gen=None`` shuffles nothing (batches in bucket order). The draws from
     ``gen`` are: one randperm per bucket, in bucket order, then one randperm
     over all batches.
     """
-    batches = []
+    batches, carried = [], torch.empty(0, dtype=torch.int64)
     for idx in buckets:
         if gen is not None:
             idx = idx[torch.randperm(len(idx), generator=gen)]
-        parts = list(torch.split(idx, batch_size))
-        if drop_last and len(parts[-1]) < batch_size:
-            parts.pop()
+        parts = list(torch.split(torch.cat([carried, idx]) if fill else idx, batch_size))
+        carried = parts.pop() if len(parts[-1]) < batch_size and (fill or drop_last) else carried[:0]
         batches.extend(parts)
+    if fill and len(carried) and not drop_last:
+        batches.append(carried)
     if gen is not None:
         batches = [batches[k] for k in torch.randperm(len(batches), generator=gen).tolist()]
     return batches
@@ -74,7 +85,8 @@ class BucketBatchSampler:
         boundaries: the buckets' increasing upper bounds (see :func:`bucket_boundaries`).
         shuffle: shuffle within buckets and the order of batches (else bucket order).
         seed: the seed of every epoch's order.
-        drop_last: drop each bucket's partial last batch.
+        drop_last: drop each bucket's partial last batch (with ``fill``: the epoch's).
+        fill: carry a bucket's partial last batch into the next bucket (config ``bucket_fill``).
 
     >>> s = BucketBatchSampler([1, 5, 2, 6, 1], 2, [2, 6], seed=0)
     >>> len(s), [sorted(b) for b in s]  # epoch 0; buckets {0, 2, 4} and {1, 3}
@@ -84,10 +96,10 @@ class BucketBatchSampler:
     """
 
     def __init__(self, lengths, batch_size: int, boundaries, *, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
+                 drop_last: bool = False, fill: bool = False) -> None:
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.seed = check_int("seed", seed, 0)
-        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.shuffle, self.drop_last, self.fill = bool(shuffle), bool(drop_last), bool(fill)
         self._buckets = _buckets(lengths, boundaries)
         self.epoch = 0
 
@@ -99,7 +111,7 @@ class BucketBatchSampler:
         """Epoch ``epoch``'s batches (does not change :attr:`epoch`)."""
         epoch = check_int("epoch", epoch, 0)
         gen = generator(self.seed, "bucketing", epoch) if self.shuffle else None
-        return [b.tolist() for b in _epoch(self._buckets, self.batch_size, self.drop_last, gen)]
+        return [b.tolist() for b in _epoch(self._buckets, self.batch_size, self.drop_last, gen, self.fill)]
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.epoch_batches(self.epoch)
@@ -107,34 +119,35 @@ class BucketBatchSampler:
         return iter(batches)
 
     def __len__(self) -> int:
-        return sum(_n_batches(len(b), self.batch_size, self.drop_last) for b in self._buckets)
+        return len(_batch_sizes([len(b) for b in self._buckets], self.batch_size, self.drop_last, self.fill))
 
 
 class BucketStream:
     """Endless bucketed batches of indices, with the interface of :class:`cdsgd.simulator.BatchStream`.
 
     Epoch after epoch as :class:`BucketBatchSampler` with ``shuffle=True,
-    drop_last=False``, but every epoch's order is drawn from ``gen`` (so the
-    simulator can seed it per agent). A batch may be shorter than
-    ``batch_size`` (a bucket's last batch); each epoch has
-    :attr:`batches_per_epoch` batches and covers every index once.
+    drop_last=False`` (and its ``fill``), but every epoch's order is drawn
+    from ``gen`` (so the simulator can seed it per agent). A batch may be
+    shorter than ``batch_size`` (a bucket's last batch; with ``fill`` only the
+    epoch's last); each epoch has :attr:`batches_per_epoch` batches and covers
+    every index once.
 
     >>> s = BucketStream([1, 5, 2, 6, 1], 2, [2, 6], torch.Generator().manual_seed(0))
     >>> s.batches_per_epoch, sorted(torch.cat([s.next() for _ in range(3)]).tolist())
     (3, [0, 1, 2, 3, 4])
     """
 
-    def __init__(self, lengths, batch_size: int, boundaries, gen: torch.Generator) -> None:
+    def __init__(self, lengths, batch_size: int, boundaries, gen: torch.Generator, *, fill: bool = False) -> None:
         self.batch_size = check_int("batch_size", batch_size, 1)
         self._buckets = _buckets(lengths, boundaries)
         self.n = sum(len(b) for b in self._buckets)
-        self.gen = gen
-        self._sizes = sorted(len(p) for b in self._buckets for p in torch.split(b, self.batch_size))
+        self.gen, self.fill = gen, bool(fill)
+        self._sizes = _batch_sizes([len(b) for b in self._buckets], self.batch_size, False, self.fill)
         self.batches_per_epoch = len(self._sizes)
         self._new_epoch()
 
     def _new_epoch(self) -> None:
-        self._batches = _epoch(self._buckets, self.batch_size, False, self.gen)
+        self._batches = _epoch(self._buckets, self.batch_size, False, self.gen, self.fill)
         self._pos = 0
 
     def state_dict(self) -> dict:

@@ -23,6 +23,8 @@ time (seeded per epoch, like torch's ``DistributedSampler``);
 ``load_state_dict()``). The order of an epoch: within each bucket the indices
 are shuffled and cut into batches of ``batch_size`` (the last one of a bucket
 may be shorter), then the batches of all buckets are put in a random order.
+With ``fill`` (config ``bucket_fill``) a bucket's partial last batch is
+carried into the next bucket's first, so every batch is full but the last.
 :class:`SyncBucketStream` (config ``bucket_sync``) makes all agents take the
 same bucket at every step, from a shared seeded bucket sequence over common
 boundaries; each agent draws from its own part of that bucket.
