@@ -199,12 +199,14 @@ def test_bucketing_study_expands_to_five_bucket_counts(tmp_path, monkeypatch):
     runs = load_sweep(root / "experiments" / "sequences" / "plaid_buckets.toml", tmp_path / "out")
     assert sorted({(r.config.bucketing, r.config.seed) for r in runs}) == [
         (k, s) for k in (1, 2, 4, 8, 16) for s in (0, 1, 2)]
+    assert {(r.config.bucketing > 1, r.config.epochs) for r in runs} == {(False, 40), (True, 50)}
     assert {(r.config.dataset, r.config.model, r.config.n_agents, r.config.grad_clip, r.config.eval_every)
             for r in runs} == {("plaid", "lstm", 4, 1.0, 1)}
 
 
 def test_bucket_fill_study_is_the_bucketing_study_with_filled_batches(tmp_path, monkeypatch):
-    """experiments/sequences/plaid_buckets_fill.toml: plaid_buckets.toml's settings but bucket_fill=true."""
+    """experiments/sequences/plaid_buckets_fill.toml: plaid_buckets.toml's settings but bucket_fill=true,
+    and 60 epochs for the bucketed runs (an equal budget of training seconds)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -214,5 +216,6 @@ def test_bucket_fill_study_is_the_bucketing_study_with_filled_batches(tmp_path, 
                      for name in ("plaid_buckets.toml", "plaid_buckets_fill.toml"))
     assert sorted(filled) == [(k, s) for k in (1, 4, 8, 16) for s in (0, 1, 2)]
     for key, cfg in filled.items():
-        assert cfg.bucket_fill
-        assert {**cfg.__dict__, "bucket_fill": False, "out": ""} == {**plain[key].__dict__, "out": ""}
+        assert cfg.bucket_fill and cfg.epochs == (40 if cfg.bucketing == 1 else 60)
+        same = {**cfg.__dict__, "bucket_fill": False, "epochs": plain[key].epochs, "out": ""}
+        assert same == {**plain[key].__dict__, "out": ""}
