@@ -159,7 +159,7 @@ def _write_failure(out: Path, cfg: Config, e: BaseException, started: float, sta
     status = status or ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
     summary = {**had, "status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
                "out": str(out), **cfg.identity(), "executor": cfg.executor,
-               "total_seconds": had.get("total_seconds", 0.0) + time.perf_counter() - started,
+               "total_seconds": had.get("total_seconds", time.perf_counter() - started),
                "torch_version": torch.__version__, "cdsgd_version": __version__}
     if not (out / "config.toml").exists():
         atomic_write(out / "config.toml", dump_config(cfg))

@@ -164,6 +164,9 @@ def _notes(cfg: Config, G: nx.Graph) -> list[str]:
             and any("weight" in d for _, _, d in G.edges(data=True))):
         notes.append(f"graph file {cfg.topology!r} carries edge weights, which mixing={cfg.mixing!r} ignores "
                      "(it computes its own); set mixing=weight to mix with the file's weights")
+    for name in ("bucket_sync", "bucket_fill"):
+        if getattr(cfg, name) and cfg.bucketing <= 1:
+            notes.append(f"{name}=true has no effect with bucketing={cfg.bucketing} (it needs bucketing > 1)")
     for name in ("momentum", "nesterov"):
         if name not in algorithm_params(cfg.algorithm) and getattr(cfg, name) != key_info(name)["default"]:
             users = ", ".join(a for a in ALGORITHMS if name in algorithm_params(a))

@@ -205,6 +205,13 @@ def test_momentum_with_a_rule_without_momentum_is_noted(tmp_path):
     assert s["warnings"] == notes
 
 
+@pytest.mark.parametrize("key", ["bucket_sync", "bucket_fill"])
+def test_bucket_options_without_bucketing_are_noted(key):
+    notes = validate_config(load_config(overrides=[f"{key}=true"])).notes
+    assert notes == [f"{key}=true has no effect with bucketing=0 (it needs bucketing > 1)"]
+    assert not validate_config(load_config(overrides=[f"{key}=true", "bucketing=4"])).notes
+
+
 # ------------------------------------------------------------------ item 7: exit codes
 
 
