@@ -48,7 +48,7 @@ from .logger import make_logger
 from .plan import Parts, Plan, hyperparameters, prepare, validate_config
 from .progress import Progress, format_seconds, pick_mode, safe_stream
 from .comm import CommError
-from .runtime.group import Group, LocalGroup, Terminated, join
+from .runtime.group import Failure, Group, LocalGroup, Terminated, join
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
@@ -146,17 +146,16 @@ def _default_log(msg: str) -> None:
     print(msg, file=safe_stream(sys.stderr), flush=True)  # a reader gone away stops the output, not the run
 
 
-def _write_failure(out: Path, cfg: Config, e: BaseException, started: float, status: str | None = None) -> None:
+def _write_failure(out: Path, cfg: Config, e: BaseException, started: float, status: str) -> None:
     """The summary.json of a run that stopped before training (e.g. its data failed to load), or whose
-    summary still says ``running`` (a SIGTERM cut short the writing of its final one): ``status``
-    (default: ``interrupted`` for Ctrl-C/SIGTERM, else ``failed``) and the error; the fields it had are kept."""
+    summary still says ``running`` (a SIGTERM cut short the writing of its final one): ``status`` and
+    the error; the fields it had are kept."""
     try:
         had = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
         had = {}
     if had.get("status", "running") != "running":
         return
-    status = status or ("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
     summary = {**had, "status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
                "out": str(out), **cfg.identity(), "executor": cfg.executor,
                "total_seconds": had.get("total_seconds", time.perf_counter() - started),
@@ -225,7 +224,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
     finally:
         if not completed and out is not None and group.rank == 0:
             e = sys.exc_info()[1]  # a no-op once _drive has written its final summary
-            _write_failure(out, cfg, e, started, status=failure.status(e) if failure and e else None)
+            _write_failure(out, cfg, e, started, (failure or Failure("")).status(e))  # undiagnosed: by its type
         if completed:
             group.close()
         else:
