@@ -39,6 +39,9 @@ each bucket count and rule and 3 seeds, and prints mean ± sd over the seeds of
 
 * ``epoch s``: training seconds per epoch (``wall_seconds`` of the last
   evaluation / epochs; evaluation time excluded); ``train s``: all of them;
+* ``classes/batch``: the mean number of distinct classes in a full batch of
+  the runs' own streams (each agent's shard, 20 passes; :func:`classes_per_batch`),
+  beside the share of the length's variance that the class explains (η²);
 * ``to target``: epochs and training seconds until the first evaluation whose
   test loss (mean over the agents) is at most the target; a seed that never
   reaches it counts as missing (the column says how many reached it);
@@ -168,6 +171,28 @@ def _rule(rule: str) -> tuple[str, bool]:
     return bare, fill == "fill"
 
 
+def classes_per_batch(k: int, rule: str, passes: int = 20) -> float:
+    """The mean number of distinct classes in a full batch of the runs' streams: every agent's own
+    shard and stream as ``run_experiment`` builds them (k = 1: random batches), ``passes`` passes each."""
+    from cdsgd.config import load_config
+    from cdsgd.experiment import prepare
+
+    bare, fill = _rule(rule)
+    cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={bare}", f"bucket_fill={str(fill).lower()}"])
+    parts = prepare(cfg)
+    counts = []
+    for j, (_, y) in enumerate(parts.shards):
+        gen = torch.Generator().manual_seed(j)
+        if parts.batch_stream is None:
+            batches = [b for _ in range(passes) for b in torch.split(torch.randperm(len(y), generator=gen),
+                                                                     cfg.batch_size)]
+        else:
+            stream = parts.batch_stream(j, gen)
+            batches = [stream.next() for _ in range(passes * stream.batches_per_epoch)]
+        counts += [len(set(y[b].tolist())) for b in batches if len(b) == cfg.batch_size]
+    return float(np.mean(counts))
+
+
 def read_curve(folder) -> tuple:
     """(epoch, test loss, training seconds) per evaluation, from a run folder's metrics.csv."""
     rows = np.atleast_1d(np.genfromtxt(pathlib.Path(folder) / "metrics.csv", delimiter=",", names=True))  # 1: 0-d
@@ -214,9 +239,13 @@ def time_to_loss(epochs: int, buckets, rules, seeds, curves=None) -> None:
     target = float(np.mean([curves[1, "optimal", s][1][window] for s in seeds]))
     print(f"\nTarget test loss {target:.3f}: the unbucketed runs' mean over seeds {list(seeds)} and epochs "
           f"{int(ep[window][0])}..{int(ep[window][-1])} of {epochs}.\n")
-    print("| buckets | rule | padded | epoch s | train s | reached | epochs to target | s to target "
+    labels = ds.train[1].numpy()
+    between = sum((labels == c).sum() * (lengths[labels == c].mean() - lengths.mean()) ** 2 for c in np.unique(labels))
+    print(f"Class explains {between / ((lengths - lengths.mean()) ** 2).sum():.3f} of the variance of the length "
+          f"(eta squared, training split).\n")
+    print("| buckets | rule | padded | classes/batch | epoch s | train s | reached | epochs to target | s to target "
           "| speedup to target | final loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ms(v, f="{:.2f}"):
         v = np.asarray(v, dtype=float)
@@ -243,7 +272,8 @@ def time_to_loss(epochs: int, buckets, rules, seeds, curves=None) -> None:
         base = mean_s if base is None else base
         label = "1 (batch cut to its longest)" if k == 1 else str(k)
         speedup = f"{base / mean_s:.2f}x" if hit_s else "-"
-        print(f"| {label} | {rule if k > 1 else '-'} | {pad:.3f} | {ms(per_epoch, '{:.3f}')} | {ms(total, '{:.1f}')} | "
+        print(f"| {label} | {rule if k > 1 else '-'} | {pad:.3f} | {classes_per_batch(k, rule):.2f} | "
+              f"{ms(per_epoch, '{:.3f}')} | {ms(total, '{:.1f}')} | "
               f"{len(hit_s)}/{len(seeds)} | {ms(hit_ep, '{:.1f}')} | {ms(hit_s)} | {speedup} | "
               f"{ms(final, '{:.3f}')} |", flush=True)
 
