@@ -45,17 +45,15 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import ROOT  # noqa: E402 - the repository on sys.path first
 
 import numpy as np  # noqa: E402
 
 from cdsgd.config import load_config  # noqa: E402
 from cdsgd.data import sequence_lengths  # noqa: E402
 from cdsgd.data.bucketing import padded_fraction  # noqa: E402
-from cdsgd.plan import prepare  # noqa: E402
-from cdsgd.seeding import generator  # noqa: E402
+from cdsgd.run.plan import prepare  # noqa: E402
+from cdsgd.base.seeding import generator  # noqa: E402
 
 ALGORITHMS = ("msgd", "cdmsgd")
 

@@ -65,9 +65,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _common  # noqa: F401,E402 - the repository on sys.path first
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -77,7 +75,7 @@ from cdsgd.data.bucketing import (  # noqa: E402
     BucketBatchSampler, BucketStream, bucket_boundaries, padded_fraction,
 )
 from cdsgd.models import build_model  # noqa: E402
-from cdsgd.simulator import Simulator  # noqa: E402
+from cdsgd.executor import Simulator  # noqa: E402
 
 BATCH = 32
 LR = 0.02  # with momentum 0.9; larger steps make LSTM training chaotic here (losses then differ run to run)
@@ -154,7 +152,7 @@ LEARN = ("dataset=plaid", "model=lstm", "n_agents=4", "batch_size=16", "lr=0.5",
 def learning_curve(k: int, rule: str, seed: int, epochs: int, out: str):
     """(epoch, test loss, training seconds) per evaluation of one run of the settings that learn."""
     from cdsgd.config import load_config
-    from cdsgd.experiment import run_experiment
+    from cdsgd.run.experiment import run_experiment
 
     bare, fill = _rule(rule)
     cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={bare}", f"bucket_fill={str(fill).lower()}",
@@ -175,7 +173,7 @@ def classes_per_batch(k: int, rule: str, passes: int = 20) -> float:
     """The mean number of distinct classes in a full batch of the runs' streams: every agent's own
     shard and stream as ``run_experiment`` builds them (k = 1: random batches), ``passes`` passes each."""
     from cdsgd.config import load_config
-    from cdsgd.experiment import prepare
+    from cdsgd.run.experiment import prepare
 
     bare, fill = _rule(rule)
     cfg = load_config(None, [*LEARN, f"bucketing={k}", f"bucket_rule={bare}", f"bucket_fill={str(fill).lower()}"])

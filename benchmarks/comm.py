@@ -97,28 +97,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import pathlib
 import platform
 import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import BATCH, INPUT_SHAPE, N_CLASSES, SHARD, make_shards  # noqa: E402 - the repository on sys.path first
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import topologies  # noqa: E402
 from cdsgd.models import build_model  # noqa: E402
-from cdsgd.simulator import Simulator  # noqa: E402
+from cdsgd.executor import Simulator  # noqa: E402
 from cdsgd.testing import run_ranks  # noqa: E402
 
-INPUT_SHAPE = (1, 28, 28)
-N_CLASSES = 10
-BATCH = 32
-SHARD = 64  # samples per agent
 LR = 0.01
 STEP_WORLD = 4  # ranks of tables 2 and 3
 MODELS = ("mlp", "lenet")
@@ -140,10 +133,8 @@ def ring_matrix(n: int):
     return topologies.mixing_matrix(topologies.build("path" if n == 2 else "ring", n))
 
 
-def make_shards(n: int):
-    gen = torch.Generator().manual_seed(1234)
-    return [(torch.randn(SHARD, *INPUT_SHAPE, generator=gen), torch.randint(0, N_CLASSES, (SHARD,), generator=gen))
-            for _ in range(n)]
+def seeded_shards(n: int):
+    return make_shards(n, torch.Generator().manual_seed(1234))
 
 
 def model_fn_for(name: str):
@@ -251,7 +242,7 @@ def _bench_steps(rank: int, world: int, mode: dict, quick: bool) -> list[dict]:
     from cdsgd.runtime import DistReducer, NeighbourMixer
 
     W = ring_matrix(world)
-    shards = make_shards(world)
+    shards = seeded_shards(world)
     out = []
     for name in MODELS:
         model_fn = model_fn_for(name)
@@ -298,7 +289,7 @@ def run_group(world: int, plan: tuple, quick: bool, deadline_s: float) -> dict:
 def bench_simulator(mode: dict, quick: bool) -> dict:
     """Median seconds of K steps of the 4-agent Simulator (cdsgd, ring), per model."""
     W = ring_matrix(STEP_WORLD)
-    shards = make_shards(STEP_WORLD)
+    shards = seeded_shards(STEP_WORLD)
     out = {}
     for name in MODELS:
         sim = Simulator(model_fn_for(name), shards, W, "cdsgd", batch_size=BATCH, seed=0, lr=LR)

@@ -5,7 +5,7 @@ Run::
     python benchmarks/data.py [--batches 300]
 
 The simulator keeps every agent's shard as tensors in memory and draws each
-batch by indexing with the agent's permutation (``cdsgd.simulator.BatchStream``).
+batch by indexing with the agent's permutation (``cdsgd.executor.BatchStream``).
 This script times, side by side in one run, the cost of drawing one batch of
 32 Fashion-MNIST-shaped samples (1×28×28 float32) that way and through
 ``torch.utils.data.DataLoader`` over a ``TensorDataset`` with 0 and 2
@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import pathlib
 import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _common  # noqa: F401,E402 - the repository on sys.path first
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from cdsgd.simulator import BatchStream  # noqa: E402
+from cdsgd.executor import BatchStream  # noqa: E402
 
 N_SAMPLES, BATCH = 12000, 32
 

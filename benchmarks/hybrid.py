@@ -41,14 +41,13 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-FASHION = pathlib.Path("/usr/share/datasets/fashion-mnist")
+from _common import ROOT, FASHION
 
 GRAPHS = {"ring": ["topology=ring"], "torus": ["topology=torus"],
           "erdos_renyi": ["topology=erdos_renyi", "topology_params.p=0.1", "topology_params.seed=1"]}
 
 
-def _common(n: int, epochs: int) -> list[str]:
+def _base_args(n: int, epochs: int) -> list[str]:
     data = (["dataset=fashion-mnist", "train_subset=8192", "eval_samples=1000"] if FASHION.is_dir()
             else ["dataset=digits"])
     return [*data, "model=mlp", f"n_agents={n}", "algorithm=cdmsgd", "lr=0.01", "momentum=0.9", "batch_size=32",
@@ -69,7 +68,7 @@ def _run(argv: list[str], out: pathlib.Path) -> dict:
 
 
 def measure(graph: str, n: int, epochs: int, repeats: int) -> dict:
-    args = [*_common(n, epochs), *GRAPHS[graph]]
+    args = [*_base_args(n, epochs), *GRAPHS[graph]]
     sims, hybrids = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(repeats):

@@ -32,14 +32,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import pathlib
 import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _common  # noqa: F401,E402 - the repository on sys.path first
 
 import torch  # noqa: E402
 
@@ -139,7 +136,7 @@ def _serial_accuracy(sim, test, batch=64):
 def table_training(epochs):
     from cdsgd.data import load_dataset
     from cdsgd.models import build_model
-    from cdsgd.simulator import Simulator
+    from cdsgd.executor import Simulator
 
     print("\n| data set | recurrence | epochs | test acc | test loss | acc, serial states | train s | speedup |")
     print("|---|---|---|---|---|---|---|---|")

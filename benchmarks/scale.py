@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import platform
 import resource
 import statistics
@@ -56,14 +55,8 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import BATCH, INPUT_SHAPE, N_CLASSES, ROOT, SHARD  # noqa: E402 - the repository on sys.path first
 
-INPUT_SHAPE = (1, 28, 28)
-N_CLASSES = 10
-BATCH = 32
-SHARD = 64
 LR, MOMENTUM = 0.01, 0.95
 REPEATS = 3
 STACKS = {"cdmsgd": 4}
@@ -84,9 +77,9 @@ def measure_mlp(n: int, steps: int) -> dict:
     import torch.nn.functional as F
 
     import topologies
-    from cdsgd.mixing import DENSE_UP_TO
+    from topologies import DENSE_UP_TO
     from cdsgd.models import build_model
-    from cdsgd.simulator import Simulator
+    from cdsgd.executor import Simulator
 
     torch.set_num_threads(int(os.environ.get("SCALE_THREADS", "1")))
     gen = torch.Generator().manual_seed(1234 + n)
@@ -152,7 +145,7 @@ def measure_ten_thousand(n: int) -> dict:
     from cdsgd.data import load_dataset, partition
     from cdsgd.executor.evaluation import default_eval_agents
     from cdsgd.models import build_model
-    from cdsgd.simulator import Simulator
+    from cdsgd.executor import Simulator
 
     torch.set_num_threads(int(os.environ.get("SCALE_THREADS", "1")))
     try:

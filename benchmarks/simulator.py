@@ -65,27 +65,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import pathlib
 import platform
 import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _common import BATCH, INPUT_SHAPE, N_CLASSES, SHARD, make_shards  # noqa: E402 - the repository on sys.path first
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import topologies  # noqa: E402
 from cdsgd.models import build_model  # noqa: E402
-from cdsgd.simulator import Simulator  # noqa: E402
+from cdsgd.executor import Simulator  # noqa: E402
 
-INPUT_SHAPE = (1, 28, 28)
-N_CLASSES = 10
-BATCH = 32
-SHARD = 64  # samples per agent
 LR, MOMENTUM = 0.01, 0.95
 REPEATS = 3
 MODELS = ("mlp", "lenet", "cnn")
@@ -93,13 +86,6 @@ MODELS = ("mlp", "lenet", "cnn")
 #: simulator steps per timed run (full, quick); the compute limit runs N × as many single steps
 STEPS = {"mlp": (60, 8), "lenet": (30, 4), "cnn": (6, 2)}
 WARMUP = {"full": 3, "quick": 2}
-
-
-def make_shards(n: int, gen: torch.Generator):
-    return [
-        (torch.randn(SHARD, *INPUT_SHAPE, generator=gen), torch.randint(0, N_CLASSES, (SHARD,), generator=gen))
-        for _ in range(n)
-    ]
 
 
 class SingleModel:

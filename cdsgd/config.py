@@ -28,28 +28,40 @@ from typing import Any, Sequence
 
 from topologies import unknown_name_error
 
+from .base.checks import (FEDAVG_FRACTION, LR, LR_POWER, LR_SCHEDULES, LR_TAU, MOMENTUM, WEIGHT_DECAY, Bounds,
+                          Choices, check_choice)
+from .base.compat import module_getattr
+
 __all__ = ["Config", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges", "config_keys", "dump_config", "key",
            "key_info", "load_config", "parse_override", "short_value", "toml_value"]
 
 
 
-def key(default: Any, help: str, *, choices: Sequence[str] = (), registry: str = "", low: float | None = None,
-        above: float | None = None, note: str = "", unit: str = "", volatile: bool = False,
-        identity: bool = False, unset: Any = None, overridden_by: str = ""):
+def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), registry: str = "",
+        bounds: Bounds | None = None, low: float | None = None, above: float | None = None, note: str = "",
+        unit: str = "", volatile: bool = False, identity: bool = False, unset: Any = None, overridden_by: str = ""):
     """A config field with everything known about it, declared once, next to the field.
 
     ``help`` is the text of ``--help`` and docs; ``choices`` the allowed
-    names, or ``registry`` the registry that holds them (resolved by the
-    validation door, :func:`cdsgd.plan.validate_config`); ``low`` (>=) or
-    ``above`` (>) a bound, with ``note``/``unit`` for its message;
-    ``volatile``: where or how, not what, is computed (may differ between a
-    run and its resumption, and never identifies a run); ``identity``: names
-    the run in summaries; ``unset``: the value that means "not given" to the
-    algorithm (None: every value is given); ``overridden_by``: another key that, when given, makes this
-    one not passed to the algorithm.
+    names (a :class:`~cdsgd.base.checks.Choices`, shared with the layer that
+    takes the value, is checked with its own message), or ``registry`` the registry
+    that holds them (resolved by the validation door,
+    :func:`cdsgd.run.plan.validate_config`); ``bounds`` the allowed interval
+    (a :class:`~cdsgd.base.checks.Bounds`, e.g. the algorithms' own), or
+    the shorthand ``low`` (>=) or ``above`` (>), with ``note``/``unit`` for
+    its message; ``volatile``: where or how, not what, is computed (may
+    differ between a run and its resumption, and never identifies a run);
+    ``identity``: names the run in summaries; ``unset``: the value that
+    means "not given" to the algorithm (None: every value is given);
+    ``overridden_by``: another key that, when given, makes this one not
+    passed to the algorithm.
     """
-    meta = {"help": help, "choices": tuple(choices), "registry": registry, "low": low, "above": above,
-            "note": note, "unit": unit, "volatile": volatile, "identity": identity, "unset": unset,
+    if low is not None or above is not None:
+        if bounds is not None or (low is not None and above is not None):
+            raise TypeError("declare one of bounds, low and above")
+        bounds = Bounds(low=above if low is None else low, low_open=low is None, unit=unit, note=note)
+    meta = {"help": help, "choices": choices if isinstance(choices, Choices) else tuple(choices),
+            "registry": registry, "bounds": bounds, "volatile": volatile, "identity": identity, "unset": unset,
             "overridden_by": overridden_by}
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=meta)
@@ -108,19 +120,22 @@ class Config:
     # --- optimisation
     epochs: float = key(30.0, "epochs of ceil(mean shard size / batch_size) synchronous steps", above=0)
     batch_size: int = key(32, "per agent", low=1)
-    lr: float = key(0.05, "step size α (α₀ when diminishing)")
-    lr_schedule: str = key("constant", "constant | diminishing: α₀ / (1 + k/lr_tau)^lr_power")
-    lr_tau: float = key(1000.0, "τ of the diminishing schedule")
-    lr_power: float = key(1.0, "p of the diminishing schedule, in (0.5, 1]")
-    momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, dsgt, d2, qg_dsgdm, sgp, msgd, local)")
+    # the bounds and schedules below are the algorithms' own (cdsgd.base.checks), so that a bad value is refused
+    # here, before any run starts, with the message make_algorithm gives
+    lr: float = key(0.05, "step size α (α₀ when diminishing)", bounds=LR)
+    lr_schedule: str = key("constant", f"{LR_SCHEDULES}: α₀ / (1 + k/lr_tau)^lr_power", choices=LR_SCHEDULES)
+    lr_tau: float = key(1000.0, "τ of the diminishing schedule", bounds=LR_TAU)
+    lr_power: float = key(1.0, f"p of the diminishing schedule, {LR_POWER}", bounds=LR_POWER)
+    momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, dsgt, d2, qg_dsgdm, sgp, msgd, local)",
+                          bounds=MOMENTUM)
     nesterov: bool = key(True, "Nesterov form (the paper's) or heavy ball")
-    weight_decay: float = key(0.0, "L2 coefficient λ")
+    weight_decay: float = key(0.0, "L2 coefficient λ", bounds=WEIGHT_DECAY)
     grad_clip: float = key(0.0, "largest norm of each agent's gradient: g_j scaled by min(1, c/‖g_j‖₂) (0: off)",
                            low=0, note=" (0 means off)")
     local_steps: int = key(0, "fedavg: local steps per round (0: use local_epochs)", low=0,
                            note=" (0 means all/off)", unset=0)
     local_epochs: int = key(1, "fedavg: local epochs per round", low=1, overridden_by="local_steps")
-    fedavg_fraction: float = key(1.0, "fedavg: fraction of agents sampled per round")
+    fedavg_fraction: float = key(1.0, "fedavg: fraction of agents sampled per round", bounds=FEDAVG_FRACTION)
     init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))
     strategy: str = key("auto", "simulator strategy: auto | loop | vmap", choices=("auto", "loop", "vmap"))
     exact: bool = key(False, "mix with ordered multiply-adds (as the runtime's exact mode)")
@@ -171,16 +186,14 @@ def key_info(name: str) -> dict:
 
 def check_ranges(cfg: "Config") -> None:
     """Every declared choice and bound of ``cfg``, in declaration order; a ValueError naming the first bad value."""
-    from .checks import check_choice
-
     for name, m in _META.items():
         value = getattr(cfg, name)
-        if m["choices"]:
+        if isinstance(m["choices"], Choices):
+            m["choices"].check(name, value)  # shared with the layer that takes the value: its message
+        elif m["choices"]:
             check_choice(name, value, m["choices"])
-        if m["low"] is not None and not value >= m["low"]:
-            raise ValueError(f"{name} must be >= {m['low']:g}{m['unit']}{m['note']}, got {value}")
-        if m["above"] is not None and not value > m["above"]:
-            raise ValueError(f"{name} must be > {m['above']:g}{m['unit']}{m['note']}, got {value}")
+        if m["bounds"] is not None:
+            m["bounds"].check(name, value)
 
 
 def short_value(v) -> str:
@@ -290,4 +303,4 @@ def dump_config(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-_toml_value = toml_value  # the old private name
+__getattr__ = module_getattr(__name__)  # old names (cdsgd.base.compat)

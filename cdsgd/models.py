@@ -54,7 +54,7 @@ from torch import nn
 
 from topologies import Registry, unknown_name_error
 
-from .checks import check_int
+from .base.checks import check_int
 from .config import toml_value
 from .data.sequences import sequence_lengths
 

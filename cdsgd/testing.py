@@ -13,7 +13,8 @@ group, on one machine, without torchrun:
     deadline passes every rank still running is killed and TimeoutError is
     raised: a caller never hangs.
 :func:`free_port`
-    a TCP port that is free on an address now (never 0).
+    a TCP port that is free on an address now (never 0); its home is
+    :mod:`cdsgd.base.comm` (the launcher needs it too), re-exported here.
 
 ``fn`` and ``args`` must be picklable (the processes are spawned, not
 forked): ``fn`` a module-level function, ``args`` plain values or tensors.
@@ -41,8 +42,8 @@ Any module-level callable taking ``(rank, world)`` will do:
 >>> 0 < free_port() < 65536
 True
 
-This module imports only the standard library when imported; torch is
-imported when :func:`run_ranks` runs.
+Production code never imports this module (tests/test_architecture.py
+checks it): it is for tests and benchmarks only.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import socket
 import time
 import traceback
+
+from .base.comm import free_port
 
 __all__ = ["RanksFailed", "free_port", "run_ranks"]
 
@@ -70,21 +72,6 @@ class RanksFailed(AssertionError):
         others = sorted(self.errors)[1:]
         also = f" (ranks {others} failed too)" if others else ""
         super().__init__(f"rank {rank} failed{also}:\n{self.errors[rank]}")
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``addr`` now (never 0: torchrun hangs on port 0).
-
-    The OS picks it; another process may take it before it is used, so use
-    it at once. ``addr`` may be IPv4 or IPv6.
-    """
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        port = s.getsockname()[1]
-    if not 0 < port < 65536:
-        raise OSError(f"the OS gave port {port} on {addr}, not a usable port")
-    return port
 
 
 def _worker(rank: int, world: int, port: int, fn, args: tuple, queue, pg_timeout: float) -> None:

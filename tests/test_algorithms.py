@@ -10,9 +10,9 @@ from torch import nn
 
 import topologies
 from cdsgd.algorithms import CDMSGD, CDSGD, StepSize, make_algorithm
-from cdsgd.mixing import Handle, MatrixMixer, Mixer, ordered_weighted_sum
-from cdsgd.simulator import METRIC_COLUMNS, BatchStream, Simulator, simulate
-from cdsgd.seeding import generator
+from cdsgd.mixers import Handle, MatrixMixer, Mixer, ordered_weighted_sum
+from cdsgd.executor import METRIC_COLUMNS, BatchStream, Simulator, simulate
+from cdsgd.base.seeding import generator
 
 D, C = 6, 3
 
@@ -285,7 +285,7 @@ BAD = [
      r"unknown option 'batchsize': not a Simulator option \(.*batch_size.*\) nor a hyperparameter of algorithm 'sgd' \(lr, "),
     (lambda: CDSGD(mlp().parameters(), MatrixMixer(ring(3)), lr=-1), r"lr must be a finite number > 0, got -1"),
     (lambda: CDMSGD(mlp().parameters(), MatrixMixer(ring(3)), lr=0.1, momentum=1.2), r"momentum must be in \[0, 1\), got 1.2"),
-    (lambda: CDSGD(mlp().parameters(), "ring", lr=0.1), r"mixer must be a cdsgd.mixing.Mixer, got str"),
+    (lambda: CDSGD(mlp().parameters(), "ring", lr=0.1), r"mixer must be a cdsgd.mixers.Mixer, got str"),
 ]
 
 

@@ -6,25 +6,31 @@ import ast
 import pathlib
 
 import networkx as nx
+import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-#: the layers, bottom first; a module may import only from its own layer or the ones below
+#: the layers, bottom first, as folders (sub-packages) and the few top-level modules; a module may import
+#: only from its own layer or the ones below. ``cdsgd`` itself is the public front: it names its exports
+#: as strings and imports them on first use (tested below), so it sits at the bottom with ``cdsgd.base``.
 LAYERS = [
     ["topologies"],
-    ["cdsgd", "cdsgd.checks", "cdsgd.seeding", "cdsgd.files", "cdsgd.flat", "cdsgd.comm", "cdsgd.config",
-     "cdsgd.testing"],
-    ["cdsgd.mixing", "cdsgd.checkpoint"],
+    ["cdsgd", "cdsgd.base"],
+    ["cdsgd.config", "cdsgd.testing"],
+    ["cdsgd.mixers"],
     ["cdsgd.algorithms"],
     ["cdsgd.mgrit", "cdsgd.data"],
     ["cdsgd.models"],
-    ["cdsgd.executor", "cdsgd.simulator"],
+    ["cdsgd.executor"],
     ["cdsgd.runtime"],
-    ["cdsgd.logger", "cdsgd.progress"],
-    ["cdsgd.plan", "cdsgd.experiment"],
-    ["cdsgd.sweep", "cdsgd.plotting", "cdsgd.topology_drawing", "cdsgd.export"],
-    ["cdsgd.cli", "cdsgd.cli_topo", "cdsgd.cli_export", "cdsgd.__main__"],
+    ["cdsgd.run"],
+    ["cdsgd.report"],
+    ["cdsgd.cli", "cdsgd.__main__"],
 ]
+
+#: the most top-level modules cdsgd/ may hold besides __init__ and __main__ (the rest live in layer folders)
+MAX_TOP_LEVEL_MODULES = 8
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -120,7 +126,8 @@ def test_each_package_declares_its_public_names():
 
 def test_one_run_builds_the_mixing_matrix_and_the_algorithm_once(tmp_path, monkeypatch):
     import topologies
-    from cdsgd import cli, plan
+    from cdsgd import cli
+    from cdsgd.run import plan
 
     calls = {"mixing_matrix": 0, "make_algorithm": 0, "validate": 0}
 
@@ -133,7 +140,7 @@ def test_one_run_builds_the_mixing_matrix_and_the_algorithm_once(tmp_path, monke
     monkeypatch.setattr(topologies, "mixing_matrix", counting("mixing_matrix", topologies.mixing_matrix))
     monkeypatch.setattr(plan, "make_algorithm", counting("make_algorithm", plan.make_algorithm))
     validate = counting("validate", topologies.validate)  # one wrapper, wherever the name is looked up
-    for mod in ("topologies", "topologies.mixing", "cdsgd.mixing", "cdsgd.runtime.exchange"):
+    for mod in ("topologies", "topologies.mixing", "cdsgd.mixers", "cdsgd.runtime.exchange"):
         monkeypatch.setattr(__import__(mod, fromlist=["validate"]), "validate", validate, raising=False)
     code = cli.main(["run", "epochs=0.2", "test_subset=50", f"out={tmp_path / 'run'}", "--no-progress"])
     assert code == 0
@@ -149,3 +156,101 @@ def test_every_config_key_is_documented_and_helped():
     missing = [k for k in config_keys() if f"`{k}`" not in table]
     assert not missing, f"config keys missing from docs/running.md: {missing}"
     assert all(key_info(k)["help"] for k in config_keys())
+
+
+def test_layers_are_folders_and_few_modules_sit_at_the_top():
+    """Every sub-package of cdsgd is one layer (listed whole, never split across layers by module), and at
+    most MAX_TOP_LEVEL_MODULES modules sit directly in cdsgd/ besides __init__ and __main__."""
+    top = sorted(p.stem for p in (ROOT / "cdsgd").glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} top-level modules: {top}"
+    listed = [name for names in LAYERS for name in names]
+    packages = sorted(f"cdsgd.{p.parent.name}" for p in (ROOT / "cdsgd").glob("*/__init__.py"))
+    for pkg in packages:
+        assert pkg in listed, f"package {pkg} is in no layer of LAYERS"
+        assert not [n for n in listed if n.startswith(pkg + ".")], f"{pkg} is split across layers"
+    for name in top:
+        assert f"cdsgd.{name}" in listed, f"top-level module cdsgd.{name} is in no layer"
+
+
+def test_no_production_module_imports_the_test_helpers():
+    G = _graph()
+    users = sorted(m for m, target in G.edges if target == "cdsgd.testing")
+    assert not users, f"production modules importing cdsgd.testing: {users}"
+
+
+def test_the_front_offers_the_public_names_lazily():
+    """``import cdsgd`` loads neither torch nor matplotlib; every name in ``cdsgd.__all__`` resolves to the
+    object of the module the front says is its home."""
+    import importlib
+    import subprocess
+    import sys
+
+    import cdsgd
+
+    needed = {"simulate", "Simulator", "make_algorithm", "CDSGD", "CDMSGD", "DecentralizedOptimizer", "Mixer",
+              "MatrixMixer", "load_config", "run_experiment"}
+    assert needed <= set(cdsgd.__all__)
+    for name in cdsgd.__all__:
+        if name != "__version__":
+            assert getattr(cdsgd, name) is getattr(importlib.import_module(cdsgd._HOMES[name]), name), name
+    assert set(cdsgd.__all__) <= set(dir(cdsgd))
+    probe = "import sys, cdsgd; print(sorted(m for m in ('torch', 'matplotlib', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_old_paths_and_names_work_and_warn():
+    """Every entry of cdsgd.base.compat's tables resolves to the new object, with a DeprecationWarning."""
+    import importlib
+    import sys
+    import warnings
+
+    from cdsgd.base import compat
+    from cdsgd.mixers import MatrixMixer
+
+    for old, targets in compat.MOVED_MODULES.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=targets[0]):
+            module = importlib.import_module(old)
+        new = importlib.import_module(targets[0])
+        for name in getattr(new, "__all__", [])[:5]:
+            assert getattr(module, name) is getattr(new, name), (old, name)
+    from cdsgd.simulator import ParamLayout, simulate  # the documented old path, both of its homes
+    from cdsgd.base.flat import ParamLayout as new_layout
+    from cdsgd.executor import simulate as new_simulate
+    assert ParamLayout is new_layout and simulate is new_simulate
+    for (module, name), target in compat.MOVED_NAMES.items():
+        with pytest.warns(DeprecationWarning, match=name):
+            value = getattr(importlib.import_module(module), name)
+        new_module, _, new_name = target.partition(":")
+        assert value is getattr(importlib.import_module(new_module), new_name)
+    m = MatrixMixer(torch.full((4, 4), 0.25, dtype=torch.float64))
+    with pytest.warns(DeprecationWarning, match="Mixer.agents"):
+        assert m.rows == m.agents == [0, 1, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert m.agents == [0, 1, 2, 3]  # the new name does not warn
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        importlib.import_module("cdsgd.config").nothing
+
+
+def test_the_api_page_names_every_public_name_and_its_examples_run(tmp_path, monkeypatch):
+    """docs/api.md lists each name of ``cdsgd.__all__``, and its Python examples run as written."""
+    import re
+
+    import cdsgd
+
+    page = (ROOT / "docs" / "api.md").read_text()
+    missing = [n for n in cdsgd.__all__ if n != "__version__" and not re.search(rf"`{n}[`(]", page)]
+    assert not missing, f"public names missing from docs/api.md: {missing}"
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/api.md", "exec"), scope)
+    assert scope["result"].metrics[-1]["test_accuracy"] > 0.9
+    assert scope["summary"]["status"] == "completed"
+    W = torch.as_tensor(scope["W"])
+    x0 = torch.as_tensor(scope["x"]).clone()
+    assert torch.allclose(scope["mixer"].mix(x0), W @ x0)

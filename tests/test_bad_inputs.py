@@ -3,7 +3,7 @@
 Each :class:`Case` is an argv for ``cdsgd`` (``{tmp}`` stands for the test's
 tmp_path), the files it needs there first, the exit status, a regex for the
 error line, and the bad value that line must name. The contract checked for
-every case (see ``cdsgd/cli.py``): exit status 2 for invalid input
+every case (see ``cdsgd/cli/commands.py``): exit status 2 for invalid input
 (ValueError), 1 for other failures (a missing file); no traceback; exactly
 ONE error line on stderr (argparse's usage block aside), ``cdsgd[ VERB]:
 error: ...``, naming the bad value; nothing on stdout; and no side effect
@@ -203,7 +203,7 @@ CASES = [
          files={"latin1.toml": 'out = "r\xe9sultats"\n'.encode("latin-1")}),
     Case("config-world-size-not-dividing-n-agents",
          ("run", "executor=torch", "n_agents=4", "comm_timeout=5", "out={tmp}/out"),
-         2, r"world size 3 must divide n_agents=4: every rank holds", "n_agents=4", env=TORCH_ENV,
+         2, r"3 processes but n_agents=4: the number of processes must divide n_agents", "n_agents=4", env=TORCH_ENV,
          absent=("out",)),
     # ---- graph files given as topology=PATH
     Case("graph-empty-file", ("run", "topology={tmp}/empty.edgelist"), 2,

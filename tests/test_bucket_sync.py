@@ -27,9 +27,9 @@ from cdsgd.data.bucketing import (
     padded_fraction,
     sync_steps_per_bucket,
 )
-from cdsgd.experiment import prepare, run_experiment
-from cdsgd.seeding import generator
-from cdsgd.simulator import Simulator
+from cdsgd.run.experiment import prepare, run_experiment
+from cdsgd.base.seeding import generator
+from cdsgd.executor import Simulator
 
 SEQ = ["dataset=synthetic_seq", "model=gru", "model_params={hidden = 8}", "n_agents=4", "batch_size=16",
        "train_subset=320", "test_subset=64", "bucketing=4", "lr=0.1", "momentum=0.9"]

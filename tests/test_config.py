@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from cdsgd.config import Config, dump_config, load_config, parse_override
-from cdsgd.experiment import validate_config
+from cdsgd.run.experiment import validate_config
 
 CONTRACT_KEYS = ["algorithm", "topology", "n_agents", "mixing", "dataset", "data_dir", "partition",
                  "dirichlet_alpha", "model", "epochs", "batch_size", "lr", "lr_schedule", "momentum",

@@ -18,9 +18,9 @@ import torch
 
 from cdsgd.cli import main
 from cdsgd.config import load_config
-from cdsgd.export import load_model
+from cdsgd.report.export import load_model
 from cdsgd.models import build_model, check_model_options, model_options, n_parameters
-from cdsgd.plan import load_config_dataset, validate_config
+from cdsgd.run.plan import load_config_dataset, validate_config
 
 MOD = "cdsgd_user_parts"
 

@@ -1,8 +1,8 @@
-"""``cdsgd export`` and cdsgd.export: a run's params.pt back into the run's model.
+"""``cdsgd export`` and cdsgd.report.export: a run's params.pt back into the run's model.
 
 Expected outputs are computed here from params.pt rows directly: the MLP's
 forward pass written out in numpy, its weights cut from the row in the order
-of the model's layers (not through cdsgd.flat).
+of the model's layers (not through cdsgd.base.flat).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-import cdsgd.export
+import cdsgd.report.export
 from cdsgd.cli import build_parser, main
-from cdsgd.cli_export import EXAMPLES
-from cdsgd.export import export_model, load_model
+from cdsgd.cli.export import EXAMPLES
+from cdsgd.report.export import export_model, load_model
 from cdsgd.models import build_model
 
 HIDDEN = 12
@@ -156,4 +156,4 @@ def test_help_says_the_default_and_its_examples_run(tmp_path, monkeypatch, capsy
 
 
 def test_docstring_examples():
-    assert doctest.testmod(cdsgd.export, optionflags=doctest.ELLIPSIS).failed == 0
+    assert doctest.testmod(cdsgd.report.export, optionflags=doctest.ELLIPSIS).failed == 0

@@ -9,8 +9,8 @@ from torch import nn
 
 import topologies
 from cdsgd.algorithms import make_algorithm
-from cdsgd.mixing import MatrixMixer
-from cdsgd.simulator import Simulator
+from cdsgd.mixers import MatrixMixer
+from cdsgd.executor import Simulator
 
 N, P = 5, 3
 RNG = np.random.default_rng(7)

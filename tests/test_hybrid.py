@@ -17,7 +17,7 @@ from dist_harness import run_ranks
 from test_runtime_run import BASE, NO_WALL, cli, metrics, run_pair
 
 from cdsgd.algorithms import make_algorithm
-from cdsgd.mixing import MatrixMixer
+from cdsgd.mixers import MatrixMixer
 from cdsgd.runtime import agent_block
 
 P = 37  # parameters per agent in the mixing units
@@ -93,7 +93,7 @@ def test_ring_blocks_are_arcs_that_exchange_two_rows():
 
 @pytest.mark.parametrize("n,world", [(6, 4), (3, 6), (5, 0)])
 def test_agent_block_refuses_uneven_splits(n, world):
-    with pytest.raises(ValueError, match=f"n_agents={n} must be a multiple of the number of processes"):
+    with pytest.raises(ValueError, match=f"{world} processes but n_agents={n}: the number of processes must divide"):
         agent_block(n, world, 0)
 
 

@@ -1,4 +1,4 @@
-"""cdsgd.logger: what a run logs is what TensorBoard reads back, tag by tag, step by step.
+"""cdsgd.run.logger: what a run logs is what TensorBoard reads back, tag by tag, step by step.
 
 The tensorboard tests need the optional extra; without it they are skipped,
 unless CDSGD_REQUIRE_TENSORBOARD=1 (CI) makes its absence a failure.
@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-import cdsgd.logger as L
+import cdsgd.run.logger as L
 from cdsgd.executor import METRIC_COLUMNS
 
 try:
@@ -83,13 +83,13 @@ def _next_second() -> None:
 
 
 def _logger_without_tensorboard(monkeypatch, blocked: dict):
-    """A fresh copy of cdsgd.logger imported while ``blocked`` modules cannot be imported (None in sys.modules)."""
+    """A fresh copy of cdsgd.run.logger imported while ``blocked`` modules cannot be imported (None in sys.modules)."""
     for name, value in blocked.items():
         if value is None:
             monkeypatch.setitem(sys.modules, name, None)
         else:
             monkeypatch.delitem(sys.modules, name, raising=False)
-    spec = importlib.util.spec_from_file_location("cdsgd._logger_without_tensorboard", L.__file__)
+    spec = importlib.util.spec_from_file_location("cdsgd.run._logger_without_tensorboard", L.__file__)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -309,7 +309,7 @@ def test_a_run_with_logger_tensorboard_logs_what_metrics_csv_holds(tmp_path):
     import csv
 
     from cdsgd.config import load_config
-    from cdsgd.experiment import run_experiment
+    from cdsgd.run.experiment import run_experiment
 
     out = tmp_path / "run"
     s = run_experiment(load_config(overrides=["dataset=synthetic", "model=logreg", "n_agents=4", "epochs=2",

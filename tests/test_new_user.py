@@ -24,9 +24,9 @@ import topologies
 from cdsgd import cli
 from cdsgd.config import load_config
 from cdsgd.executor import Diverged, Executor
-from cdsgd.experiment import _eval_hint, run_experiment
-from cdsgd.plan import validate_config
-from cdsgd.progress import Progress, format_seconds, pick_mode, safe_stream
+from cdsgd.run.experiment import _eval_hint, run_experiment
+from cdsgd.run.plan import validate_config
+from cdsgd.run.progress import Progress, format_seconds, pick_mode, safe_stream
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["dataset=synthetic", "model=logreg", "n_agents=4", "epochs=2", "batch_size=16", "lr=0.1"]
@@ -77,7 +77,7 @@ def test_diverged_state_survives_a_checkpoint():
 
 
 def test_sweep_lists_a_diverged_run_apart_and_does_not_rerun_it(tmp_path):
-    from cdsgd.sweep import collect, load_sweep, run_sweep
+    from cdsgd.run.sweep import collect, load_sweep, run_sweep
 
     spec = tmp_path / "s.toml"
     spec.write_text('[base]\ndataset = "synthetic"\nmodel = "mlp"\nn_agents = 4\nepochs = 1\n'
@@ -168,7 +168,7 @@ def test_missing_data_leaves_no_empty_folder(tmp_path):
 
 
 def test_a_failure_after_the_folder_exists_leaves_summary_failed(tmp_path, monkeypatch):
-    import cdsgd.experiment as experiment
+    import cdsgd.run.experiment as experiment
 
     def broken(*a, **k):
         raise RuntimeError("the executor could not be built")
@@ -351,7 +351,7 @@ def test_launch_dry_run_prints_the_layout(capsys):
 
 
 def test_launcher_names_the_signal_torchrun_passed_on():
-    from cdsgd.launch import describe_launch_failure
+    from cdsgd.cli.launch import describe_launch_failure
 
     class Stop(Exception):
         sigval = signal.SIGINT
@@ -361,7 +361,7 @@ def test_launcher_names_the_signal_torchrun_passed_on():
 
 
 def test_a_flat_model_on_sequences_is_noted(tmp_path):
-    from cdsgd.plan import prepare
+    from cdsgd.run.plan import prepare
 
     cfg = load_config(overrides=["dataset=synthetic_seq", "model=mlp", "n_agents=3"])
     assert any("flat vector" in n for n in prepare(cfg).plan.notes)

@@ -1,4 +1,4 @@
-"""The validation door (cdsgd.plan): one check of a config, before any data is loaded."""
+"""The validation door (cdsgd.run.plan): one check of a config, before any data is loaded."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import topologies
-from cdsgd import plan as P
+from cdsgd.run import plan as P
 from cdsgd.config import VOLATILE_KEYS, load_config
 
 

@@ -15,8 +15,8 @@ import pytest
 
 import topologies
 from cdsgd import cli
-from cdsgd.plotting import draw_topology, plot_run, plot_sweep, run_figure, sweep_figures, topology_figure
-from cdsgd.sweep import RESULT_COLUMNS
+from cdsgd.report.plotting import draw_topology, plot_run, plot_sweep, run_figure, sweep_figures, topology_figure
+from cdsgd.run.sweep import RESULT_COLUMNS
 
 METRICS = ["epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_accuracy_avg_model",
            "consensus_distance", "bytes_sent_per_agent", "wall_seconds"]
@@ -266,10 +266,10 @@ def edge_labels(fig):
 
 
 def test_cli_draw_title_carries_the_builder_parameters(tmp_path, monkeypatch):
-    import cdsgd.plotting
+    import cdsgd.report.plotting
 
     seen = {}
-    monkeypatch.setattr(cdsgd.plotting, "draw_topology", lambda G, W, path, *, title="": seen.update(title=title))
+    monkeypatch.setattr(cdsgd.report.plotting, "draw_topology", lambda G, W, path, *, title="": seen.update(title=title))
     argv = ["topo", "small_world", "--n", "16", "--param", "k=4", "--param", "p=0.3", "--param", "seed=1",
             "--draw", str(tmp_path / "g.png")]
     assert cli.main(argv) == 0

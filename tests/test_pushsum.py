@@ -9,7 +9,7 @@ import torch
 
 import topologies
 from cdsgd.algorithms import make_algorithm
-from cdsgd.mixing import MatrixMixer
+from cdsgd.mixers import MatrixMixer
 
 N, P_DIM = 5, 3
 RNG = np.random.default_rng(11)
@@ -147,7 +147,7 @@ def test_sgp_refuses_a_matrix_that_is_not_column_stochastic():
 def test_sgp_counts_a_vector_and_its_weight_per_out_neighbour():
     from torch import nn
 
-    from cdsgd.simulator import Simulator
+    from cdsgd.executor import Simulator
 
     g = torch.Generator().manual_seed(0)
     shards = [(torch.randn(12, 4, generator=g), torch.randint(0, 2, (12,), generator=g)) for _ in range(N)]

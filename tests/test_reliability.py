@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from cdsgd import checkpoint as ckpt
+from cdsgd.run import checkpoint as ckpt
 from cdsgd.config import load_config
-from cdsgd.experiment import run_experiment
+from cdsgd.run.experiment import run_experiment
 
 # a CNN with dropout on 8x8 digits, with augmentation and momentum: every random stream matters.
 # 4 agents x 60 samples / batch 16 = 4 steps per epoch; checkpoints every 3 steps fall mid-epoch.
@@ -187,7 +187,7 @@ def test_checkpoint_files_are_written_atomically(tmp_path):
 def test_sweep_continues_a_stopped_run_from_its_checkpoint(reference, tmp_path, monkeypatch, interrupt_at):
     """`cdsgd sweep` re-run after a stop: the unfinished run resumes (resume=true), the result is unchanged."""
     from cdsgd import cli
-    from cdsgd.sweep import load_sweep
+    from cdsgd.run.sweep import load_sweep
 
     spec = tmp_path / "s.toml"
     base = "\n".join(f"{k} = {v}" if v.replace(".", "").isdigit() or v in ("true", "false") else f'{k} = "{v}"'

@@ -22,10 +22,12 @@ def test_topologies_does_not_import_torch():
 @pytest.mark.parametrize(
     "module",
     ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
-     "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models", "cdsgd.seeding", "cdsgd.simulator", "cdsgd.config",
+     "cdsgd", "cdsgd.algorithms", "cdsgd.mixers", "cdsgd.models", "cdsgd.base.seeding", "cdsgd.base.compat",
+     "cdsgd.config",
      "cdsgd.data.partition", "cdsgd.data.datasets", "cdsgd.data.bucketing", "cdsgd.data.sequences",
-     "cdsgd.checkpoint", "cdsgd.checks", "cdsgd.files", "cdsgd.flat", "cdsgd.plan", "cdsgd.executor.evaluation", "cdsgd.executor.core",
-     "cdsgd.algorithms.rules", "cdsgd.algorithms.optim", "cdsgd.mixing", "cdsgd.mgrit", "cdsgd.mgrit.cell",
+     "cdsgd.run.checkpoint", "cdsgd.base.checks", "cdsgd.base.files", "cdsgd.base.flat", "cdsgd.run.plan",
+     "cdsgd.executor.evaluation", "cdsgd.executor.core", "cdsgd.algorithms.rules", "cdsgd.algorithms.optim",
+     "cdsgd.mgrit", "cdsgd.mgrit.cell",
      "cdsgd.mgrit.solver", "cdsgd.mgrit.layer", "cdsgd.data.formats", "cdsgd.data.augment"],
 )
 def test_docstring_examples(module):
@@ -44,10 +46,11 @@ def test_ci_runs_the_readme_test_command():
     assert quickstart[1] in ci, "the last step of .ci/run must be the README's test command"
 
 
-@pytest.mark.parametrize("module", ["topologies", "cdsgd", "cdsgd.algorithms", "cdsgd.mixing", "cdsgd.models",
-                                    "cdsgd.seeding", "cdsgd.simulator", "cdsgd.executor", "cdsgd.runtime",
-                                    "cdsgd.plan", "cdsgd.comm", "cdsgd.checks", "cdsgd.files", "cdsgd.flat",
-                                    "cdsgd.config", "cdsgd.testing", "cdsgd.mgrit", "cdsgd.data"])
+@pytest.mark.parametrize("module", ["topologies", "cdsgd", "cdsgd.algorithms", "cdsgd.mixers", "cdsgd.models",
+                                    "cdsgd.base.seeding", "cdsgd.base.compat", "cdsgd.executor", "cdsgd.runtime",
+                                    "cdsgd.run.plan", "cdsgd.base.comm", "cdsgd.base.checks", "cdsgd.base.files",
+                                    "cdsgd.base.flat", "cdsgd.config", "cdsgd.testing", "cdsgd.mgrit", "cdsgd.data",
+                                    "cdsgd.cli"])
 def test_public_names_declared(module):
     mod = importlib.import_module(module)
     for name in mod.__all__:

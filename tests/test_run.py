@@ -16,8 +16,8 @@ import pytest
 import topologies
 from cdsgd import cli
 from cdsgd.config import load_config
-from cdsgd.experiment import run_experiment, validate_config
-from cdsgd.simulator import METRIC_COLUMNS
+from cdsgd.run.experiment import run_experiment, validate_config
+from cdsgd.executor import METRIC_COLUMNS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONTRACT_COLUMNS = ["epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_accuracy_avg_model",
@@ -138,6 +138,7 @@ FASHION = pathlib.Path("/usr/share/datasets/fashion-mnist")
 REQUIRE_FASHION = os.environ.get("CDSGD_REQUIRE_FASHION_MNIST") == "1"
 
 
+@pytest.mark.slow  # a study of tens of seconds in one process: the whole suite runs it, the fast tier does not
 def test_end_to_end_fashion_mnist(tmp_path):
     """Real Fashion-MNIST: 5 agents, ring, CDMSGD (μ 0.95), the paper's CNN, 10,000 training samples.
 

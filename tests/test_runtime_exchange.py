@@ -68,7 +68,7 @@ def _exact_match(rank, world, W):
 
 
 def test_runtime_mixing_bit_identical_to_simulator_exact_mode():
-    from cdsgd.mixing import MatrixMixer
+    from cdsgd.mixers import MatrixMixer
 
     W = topologies.mixing_matrix(topologies.build("erdos_renyi", 4, p=0.7, seed=5))
     results = run_ranks(_exact_match, 4, W, timeout=120)

@@ -48,7 +48,7 @@ def _steps(rank, world, algorithm, hyper, per=1):
     from torch import nn
 
     from cdsgd.runtime import BlockMixer, DistReducer
-    from cdsgd.simulator import Simulator
+    from cdsgd.executor import Simulator
 
     n = world * per
     W = topologies.mixing_matrix(topologies.build("ring", n))

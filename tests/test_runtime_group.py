@@ -1,4 +1,4 @@
-"""Process groups (cdsgd.runtime.group) and the one P2P convention (cdsgd.comm), in real gloo processes."""
+"""Process groups (cdsgd.runtime.group) and the one P2P convention (cdsgd.base.comm), in real gloo processes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import topologies
-from cdsgd.comm import CommError
+from cdsgd.base.comm import CommError
 from cdsgd.runtime import Failure, LocalGroup, Terminated
 from dist_harness import run_ranks
 
@@ -17,7 +17,7 @@ def _subgroup_exchange(rank, world):
     """Ranks 1..3 form a subgroup; inside it, group rank g sends g to group rank (g+1) mod 3."""
     import torch.distributed as dist
 
-    from cdsgd.comm import exchange, wait
+    from cdsgd.base.comm import exchange, wait
     from cdsgd.runtime import NeighbourMixer
 
     group = dist.new_group([1, 2, 3])

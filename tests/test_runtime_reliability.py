@@ -27,7 +27,7 @@ import time
 import pytest
 import torch
 
-from cdsgd import checkpoint as ckpt
+from cdsgd.run import checkpoint as ckpt
 from dist_harness import free_port
 from launch_harness import descendants, finish, report, start, stat, wait_until, workers
 

@@ -134,7 +134,7 @@ def test_launch_usage_errors(argv, status, pattern):
 def test_world_size_must_divide_n_agents(tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     r = cli("run", "executor=torch", "n_agents=4", f"out={tmp_path / 'w'}", env=env, timeout=60)
-    assert r.returncode == 2 and "world size 3 must divide n_agents=4" in r.stderr
+    assert r.returncode == 2 and "3 processes but n_agents=4: the number of processes must divide" in r.stderr
 
 
 def test_paper_ring_weights_reach_the_runtime(tmp_path):

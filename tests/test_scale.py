@@ -14,8 +14,8 @@ from cdsgd.algorithms import rules
 from cdsgd.executor import evaluation, gradients
 from cdsgd.executor.agents import build_agents, seeded_model
 from cdsgd.executor.streams import AgentRNG
-from cdsgd.mixing import MatrixMixer, ordered_weighted_sum
-from cdsgd.simulator import Simulator
+from cdsgd.mixers import MatrixMixer, ordered_weighted_sum
+from cdsgd.executor import Simulator
 
 
 def _W(name, n, sparse=False, **params):
@@ -120,7 +120,7 @@ def test_agent_model_of_a_vmap_executor_holds_that_agents_parameters():
 
 
 def test_agent_random_streams_are_those_torch_manual_seed_gives():
-    from cdsgd.seeding import derive_seed
+    from cdsgd.base.seeding import derive_seed
 
     rng = AgentRNG(11, [0, 7], torch.device("cpu"))
     saved = torch.get_rng_state()

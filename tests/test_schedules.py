@@ -14,8 +14,8 @@ from torch import nn
 
 import topologies
 from cdsgd.algorithms import make_algorithm
-from cdsgd.mixing import MatrixMixer, ScheduleMixer
-from cdsgd.simulator import Simulator
+from cdsgd.mixers import MatrixMixer, ScheduleMixer
+from cdsgd.executor import Simulator
 
 
 def dense(W):

@@ -231,7 +231,7 @@ def test_plaid():
 def test_plaid_options_come_from_the_config():
     """dataset_params reach the loader: the same tensors as load_dataset with those options."""
     from cdsgd.config import load_config
-    from cdsgd.plan import load_config_dataset
+    from cdsgd.run.plan import load_config_dataset
 
     ds = load_config_dataset(load_config(overrides=["dataset=plaid", "dataset_params={subsample = 1, "
                                                                       "normalize = \"split\"}"]))

@@ -96,6 +96,7 @@ def test_japanese_vowels_keeps_the_split_statistics():
     torch.testing.assert_close(flat.mean(0), torch.zeros(12, dtype=torch.float64), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # a study of tens of seconds in one process: the whole suite runs it, the fast tier does not
 def test_a_short_synthetic_seq_run_learns_far_above_chance():
     """CDMSGD, 4 agents on a ring, GRU (hidden 32), grad_clip 1: 150 steps on 400 short sequences.
 
@@ -105,7 +106,7 @@ def test_a_short_synthetic_seq_run_learns_far_above_chance():
     import topologies
 
     from cdsgd.models import build_model
-    from cdsgd.simulator import Simulator
+    from cdsgd.executor import Simulator
 
     torch.set_num_threads(1)  # the result below was measured so; the test fixture restores the count
     ds = load_dataset("synthetic_seq", n_train=400, n_test=200, mean_length=40.0, max_length=80)

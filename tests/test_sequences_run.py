@@ -13,8 +13,8 @@ import torch
 from cdsgd.config import load_config
 from cdsgd.data import load_dataset, sequence_lengths
 from cdsgd.data.bucketing import bucket_boundaries, bucket_of
-from cdsgd.experiment import prepare, run_experiment
-from cdsgd.simulator import Simulator
+from cdsgd.run.experiment import prepare, run_experiment
+from cdsgd.executor import Simulator
 
 pytest.importorskip("sktime", reason="the sequence data sets ship inside the sktime package (extra 'sequences')")
 
@@ -135,6 +135,7 @@ def test_runtime_with_bucketing_agrees_with_the_simulator(tmp_path):
     assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=1e-3)
 
 
+@pytest.mark.slow  # a study of tens of seconds in one process: the whole suite runs it, the fast tier does not
 def test_pgru_learns_and_converged_mgrit_trains_like_the_serial_recurrence(tmp_path):
     """model=pgru: MGRIT with enough FCF iterations (japanese_vowels: T <= 32, cf 4: 8 intervals, 4 iterations
     make all exact) trains as the serial implicit GRU, to rounding; 2 iterations still learn."""

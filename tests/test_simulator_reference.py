@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import topologies
-from cdsgd.simulator import Simulator
+from cdsgd.executor import Simulator
 
 N, D, C, M = 4, 6, 3, 12  # agents, input dim, classes, samples per agent
 STEPS = 24

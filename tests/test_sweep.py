@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cdsgd import cli
-from cdsgd.sweep import RESULT_COLUMNS, load_sweep, run_identity
+from cdsgd.run.sweep import RESULT_COLUMNS, load_sweep, run_identity
 
 TINY = """
 [base]
@@ -179,7 +179,7 @@ def test_shipped_studies_expand_and_validate(tmp_path, monkeypatch, name, count)
 def test_threads_per_run_keep_the_users_omp_num_threads(monkeypatch, env, jobs, expect):
     import os
 
-    from cdsgd.sweep import _threads_per_run
+    from cdsgd.run.sweep import _threads_per_run
 
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 import topologies
-from cdsgd.simulator import Simulator
+from cdsgd.executor import Simulator
 
 N, D, M = 16, 5, 20
+
+
+#: convergence studies of 10-30 s each: the whole suite runs them, the fast tier does not
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import networkx as nx
 
 from .builders import BUILDERS, build, builder_params
 from .io import FORMATS, load
-from .mixing import COLUMN_RULES, RULES, TOL, mixing_matrix, validate
+from .mixing import COLUMN_RULES, DENSE_UP_TO, RULES, TOL, mixing_matrix, validate
 from .spectral import (EFFECTIVE_DECAY, SPARSE_EIGEN_FROM, SpectralGap, effective_neighbours, format_gap,
                        smallest_eigenvalue, spectral_gap)
 from .registry import Registry, unknown_name_error
@@ -32,6 +32,7 @@ from .schedules import SCHEDULES, Schedule, schedule, schedule_params
 __all__ = [
     "BUILDERS",
     "COLUMN_RULES",
+    "DENSE_UP_TO",
     "EFFECTIVE_DECAY",
     "FORMATS",
     "RULES",
@@ -46,6 +47,7 @@ __all__ = [
     "describe",
     "effective_neighbours",
     "format_gap",
+    "graph_and_mixing",
     "is_graph_file",
     "load",
     "mixing_matrix",
@@ -87,6 +89,43 @@ def resolve(spec: str | os.PathLike, n: int | None = None, **params) -> nx.Graph
     if n is None:
         raise ValueError(f"topology {spec!r} needs the number of nodes n")
     return build(str(spec), n, **params)
+
+
+def graph_and_mixing(spec: str | os.PathLike, n: int | None = None, rule: str | None = None, **params):
+    """The graph and the mixing matrix a topology string stands for: ``(G, W)``.
+
+    The one reading of a ``topology`` (``cdsgd run``'s config key, ``cdsgd
+    topo``'s argument), tried in this order:
+
+    * a time-varying schedule name (:data:`SCHEDULES`): W is the
+      :class:`Schedule` (``schedule(spec, n, **params)``) and G the union
+      graph of its period. A schedule carries its own weights, so ``rule``
+      must be None;
+    * a graph file path or a builder name (:func:`resolve`): W is
+      ``mixing_matrix(G, rule)`` (``rule`` None: ``"metropolis"``).
+
+    ``n`` is required except for a graph file, whose node count it must
+    then match. W is a dense array up to :data:`DENSE_UP_TO` nodes and a
+    scipy CSR matrix beyond, a schedule's matrices likewise.
+
+        >>> G, W = graph_and_mixing("ring", 5)
+        >>> G.number_of_edges(), W.shape, round(float(W[0, 0]), 4)
+        (5, (5, 5), 0.3333)
+        >>> G, W = graph_and_mixing("one_peer_exponential", 8)
+        >>> len(W), G.number_of_edges()
+        (3, 20)
+    """
+    if isinstance(spec, str) and spec in SCHEDULES:
+        if rule is not None:
+            # `mixing` is the weight rule's name everywhere (config key, docs); `cdsgd topo` calls it --rule
+            raise ValueError(f"topology {spec!r} is a time-varying schedule with its own weights; mixing={rule!r} "
+                             "does not apply to it (leave mixing / --rule unset)")
+        if n is None:
+            raise ValueError(f"topology {spec!r} needs the number of nodes n")
+        W = schedule(spec, n, **params)
+        return W.union_graph(), W
+    G = resolve(spec, n, **params)
+    return G, mixing_matrix(G, "metropolis" if rule is None else rule, sparse=G.number_of_nodes() > DENSE_UP_TO)
 
 
 def describe(G: nx.Graph, W, *, matrix: bool = True) -> dict:

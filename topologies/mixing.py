@@ -50,10 +50,19 @@ import numpy as np
 
 from .registry import Registry
 
-__all__ = ["mixing_matrix", "validate", "RULES", "COLUMN_RULES", "TOL"]
+__all__ = ["mixing_matrix", "validate", "RULES", "COLUMN_RULES", "DENSE_UP_TO", "TOL"]
 
 #: Absolute tolerance on row/column sums and on symmetry.
 TOL = 1e-8
+
+#: A topology's mixing matrices are dense arrays up to this many nodes and scipy CSR beyond
+#: (:func:`topologies.graph_and_mixing`, :class:`topologies.Schedule`).
+# 32 and not 16: the runs and the schedules have always stored W by this cut-off, and `cdsgd topo` must
+# describe the very W a run mixes with; its 16 was the width of the matrix it prints, a display limit, not
+# a storage one. A 32×32 array is 8 KiB; beyond, the N×N array grows as N² while CSR stays O(edges). The
+# numbers do not depend on the form (spectral_gap takes the dense solver below SPARSE_EIGEN_FROM either way,
+# and cdsgd's mixers choose their product by the fraction of non-zeros, not by the type of W).
+DENSE_UP_TO = 32
 
 RULES: Registry[Callable[[nx.Graph], np.ndarray]] = Registry("mixing rule")
 

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .mixing import _check_connected, validate
+from .mixing import DENSE_UP_TO, _check_connected, validate
 from .builders import _powers_of_two_below
 from .registry import Registry
 from .spectral import SPARSE_EIGEN_FROM
@@ -48,9 +48,6 @@ __all__ = ["SCHEDULES", "Schedule", "schedule", "schedule_params"]
 
 #: name -> function(n, **params) returning (period, step(k) -> (rows, cols, values))
 SCHEDULES: Registry[Callable[..., tuple[int, Callable[[int], tuple]]]] = Registry("schedule")
-
-#: schedules on more nodes than this keep their matrices sparse (scipy CSR)
-DENSE_UP_TO = 32
 
 
 class Schedule:

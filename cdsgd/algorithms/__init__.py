@@ -9,7 +9,7 @@ tracking, D², quasi-global momentum) and :mod:`cdsgd.algorithms.pushsum`
 (Stochastic Gradient Push on directed graphs).
 """
 
-from ..checks import check_int, check_lr, check_momentum, check_weight_decay  # noqa: F401 - old import path
+from ..base.compat import module_getattr
 from .heterogeneous import D2Algorithm, DSGTAlgorithm, QGDSGDmAlgorithm
 from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
 from .pushsum import SGPAlgorithm
@@ -41,3 +41,5 @@ __all__ = [
     "momentum_update",
     "with_weight_decay",
 ]
+
+__getattr__ = module_getattr(__name__)  # old names (cdsgd.base.compat)

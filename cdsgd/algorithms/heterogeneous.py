@@ -6,7 +6,7 @@ point of x_j ← Σ_l π_jl x_l − α ∇f_j(x_j) the agents' gradients do not
 vanish, they balance the graph's pull. The rules below remove that bias.
 Notation as in :mod:`cdsgd.algorithms.rules`: g_j = ∇f_j(x_j) (+ λ x_j), W = (π_jl),
 α_k the step size, β the local momentum (``momentum``). Each is written once
-over the :class:`~cdsgd.mixing.Mixer` interface, so the simulator and the
+over the :class:`~cdsgd.mixers.Mixer` interface, so the simulator and the
 runtime run the same code; ``vectors_per_step`` P-vectors go to each neighbour
 per step and ``bytes_sent_per_agent`` counts them.
 
@@ -57,7 +57,7 @@ the sum is 2; gradient tracking gets there, and so do its agents)::
 
     >>> import torch
     >>> from cdsgd.algorithms import make_algorithm
-    >>> from cdsgd.mixing import MatrixMixer
+    >>> from cdsgd.mixers import MatrixMixer
     >>> mixer, alg = MatrixMixer([[0.75, 0.25], [0.25, 0.75]]), make_algorithm("dsgt", lr=0.2, momentum=0.0)
     >>> X, b = torch.zeros(2, 1, dtype=torch.float64), torch.tensor([[0.0], [4.0]], dtype=torch.float64)
     >>> state = alg.init_state(X)

@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from ..checks import check_lr, check_momentum, check_weight_decay
-from ..flat import flatten, unflatten
-from ..mixing import Handle, Mixer
+from ..base.checks import check_lr, check_momentum, check_weight_decay
+from ..base.flat import flatten, unflatten
+from ..mixers import Handle, Mixer
 from .rules import Algorithm, cdsgd_update, make_algorithm, momentum_update, with_weight_decay
 
 __all__ = ["CDMSGD", "CDSGD", "DecentralizedOptimizer"]
@@ -55,7 +55,7 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, mixer: Mixer) -> None:
         if not isinstance(mixer, Mixer):
-            raise ValueError(f"mixer must be a cdsgd.mixing.Mixer, got {type(mixer).__name__}")
+            raise ValueError(f"mixer must be a cdsgd.mixers.Mixer, got {type(mixer).__name__}")
         super().__init__(params, defaults)
         self.mixer = mixer
         self._handle: Handle | None = None
@@ -178,7 +178,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, mixer: Mixer, algorithm: str | Algorithm = "dsgt", **hyper) -> None:
         if not isinstance(mixer, Mixer):
-            raise ValueError(f"mixer must be a cdsgd.mixing.Mixer, got {type(mixer).__name__}")
+            raise ValueError(f"mixer must be a cdsgd.mixers.Mixer, got {type(mixer).__name__}")
         if isinstance(algorithm, str):
             algorithm = make_algorithm(algorithm, **hyper)
         elif hyper:

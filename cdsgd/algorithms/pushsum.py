@@ -24,7 +24,7 @@ Example (a directed ring of 3, zero gradients: push-sum averages)::
 
     >>> import torch, topologies
     >>> from cdsgd.algorithms import make_algorithm
-    >>> from cdsgd.mixing import MatrixMixer
+    >>> from cdsgd.mixers import MatrixMixer
     >>> P = topologies.mixing_matrix(topologies.build("directed_ring", 3), "push_sum")
     >>> alg, mixer = make_algorithm("sgp", lr=0.1), MatrixMixer(P, validate=False)
     >>> X = torch.tensor([[0.0], [3.0], [6.0]], dtype=torch.float64); state = alg.init_state(X)

@@ -5,7 +5,7 @@ g_j = ∇f_j(x_j) (+ λ·x_j with weight decay λ), Π is the mixing matrix, α_
 step size at step k, μ the momentum. Stacked over agents, X is N×P; one rank
 of the distributed runtime holds just its P-vector. The rules below are
 element-wise apart from the mixing, so the same code serves both: only the
-:class:`~cdsgd.mixing.Mixer` differs.
+:class:`~cdsgd.mixers.Mixer` differs.
 
 ``cdsgd``   x_j ← Σ_l π_jl x_l − α g_j(x_j)
             (the gradient at the agent's own pre-mixing parameters;
@@ -41,7 +41,7 @@ Two ways in:
 Example (two agents, one parameter each, zero gradients: one step is Π X)::
 
     >>> import torch
-    >>> from cdsgd.mixing import MatrixMixer
+    >>> from cdsgd.mixers import MatrixMixer
     >>> alg = make_algorithm("cdsgd", lr=0.1)
     >>> X = torch.tensor([[0.0], [1.0]]); G = torch.zeros(2, 1)
     >>> alg.update(X, G, alg.init_state(X), k=0, mixer=MatrixMixer([[0.75, 0.25], [0.25, 0.75]])).tolist()  # X, updated
@@ -57,14 +57,16 @@ import torch
 
 from topologies import TOL, Registry
 
-from ..checks import check_int, check_lr, check_momentum, check_number, check_weight_decay
-from ..mixing import Handle, Mixer
-from ..seeding import derive_seed
+from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
+                           check_number, check_weight_decay)
+from ..mixers import Handle, Mixer
+from ..base.seeding import derive_seed
 
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
     "StepSize",
+    "UnknownHyperparameter",
     "algorithm_params",
     "cdsgd_update",
     "make_algorithm",
@@ -142,21 +144,13 @@ class StepSize:
     [0.1, 0.05, 0.025]
     """
 
-    SCHEDULES = ("constant", "diminishing")
+    SCHEDULES = LR_SCHEDULES.names
 
     def __init__(self, lr: float, schedule: str = "constant", *, tau: float = 1000.0, power: float = 1.0) -> None:
         self.lr = check_lr(lr)
-        if schedule not in self.SCHEDULES:
-            raise ValueError(f"lr_schedule {schedule!r} is unknown; allowed: {', '.join(self.SCHEDULES)}")
-        self.schedule = schedule
-        self.tau = check_number("lr_tau", tau)
-        if not self.tau > 0:
-            raise ValueError(f"lr_tau must be > 0, got {tau!r}")
-        self.power = check_number("lr_power", power)
-        if not 0.5 < self.power <= 1:
-            raise ValueError(
-                f"lr_power must be in (0.5, 1] so that Σα = ∞ and Σα² < ∞, got {power!r}"
-            )
+        self.schedule = LR_SCHEDULES.check("lr_schedule", schedule)
+        self.tau = LR_TAU.check("lr_tau", check_number("lr_tau", tau))
+        self.power = LR_POWER.check("lr_power", check_number("lr_power", power))
 
     def __call__(self, k: int) -> float:
         if self.schedule == "constant":
@@ -334,10 +328,7 @@ class FedAvgAlgorithm(Algorithm):
         self.local_epochs = None if local_epochs is None else check_int("local_epochs", local_epochs, 1)
         if local_steps is None and local_epochs is None:
             self.local_epochs = 1  # the paper's FedAvg: one local epoch per round
-        fraction = check_number("fedavg_fraction", fedavg_fraction)
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fedavg_fraction must be in (0, 1], got {fedavg_fraction!r}")
-        self.fraction = fraction
+        self.fraction = FEDAVG_FRACTION.check("fedavg_fraction", check_number("fedavg_fraction", fedavg_fraction))
         self._round_mask: tuple[int | None, torch.Tensor | None] = (None, None)  # (round, participants)
 
     @property
@@ -400,6 +391,18 @@ def algorithm_params(name: str) -> list[str]:
     return names
 
 
+class UnknownHyperparameter(ValueError):
+    """:func:`make_algorithm` was given a hyperparameter ``name`` that algorithm ``algorithm`` does not take.
+
+    ``allowed`` lists the ones it takes, so that a caller with options of
+    its own (the executor) can name both in its message.
+    """
+
+    def __init__(self, algorithm: str, name: str, allowed: list[str]) -> None:
+        self.algorithm, self.name, self.allowed = algorithm, name, list(allowed)
+        super().__init__(f"algorithm {algorithm!r} takes no hyperparameter {name!r}; allowed: {', '.join(allowed)}")
+
+
 def make_algorithm(name: str, **hyper) -> Algorithm:
     """The algorithm ``name`` with hyperparameters ``hyper``.
 
@@ -407,13 +410,14 @@ def make_algorithm(name: str, **hyper) -> Algorithm:
     ``weight_decay``. ``cdmsgd``/``msgd``: ``momentum`` (0.95), ``nesterov``
     (True). ``local``: ``momentum`` (0), ``nesterov``. ``fedavg``:
     ``local_steps`` or ``local_epochs`` (1 epoch by default), ``fedavg_fraction``.
-    Unknown names and hyperparameters are refused, naming the allowed ones.
+    Unknown names are refused, naming the known ones; unknown
+    hyperparameters with :class:`UnknownHyperparameter`, naming the allowed ones.
     """
     klass = ALGORITHMS.get(name)
     allowed = algorithm_params(name)
     unknown = sorted(set(hyper) - set(allowed))
     if unknown:
-        raise ValueError(f"algorithm {name!r} takes no hyperparameter {unknown[0]!r}; allowed: {', '.join(allowed)}")
+        raise UnknownHyperparameter(name, unknown[0], allowed)
     if "lr" not in hyper:
         raise ValueError(f"algorithm {name!r} needs lr")
     return klass(**hyper)

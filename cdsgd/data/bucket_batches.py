@@ -11,8 +11,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..checks import check_int
-from ..seeding import generator
+from ..base.checks import check_int
+from ..base.seeding import generator
 from .bucket_lengths import bucket_of
 
 __all__ = ["BucketBatchSampler", "BucketStream", "SyncBucketStream", "bucket_part_sizes", "shared_bucket_order",
@@ -71,7 +71,7 @@ class BucketBatchSampler:
     """One epoch of index batches per iteration, each batch from a single bucket.
 
     Epoch e's batches depend only on (seed, e): they are drawn from the
-    generator :func:`cdsgd.seeding.generator` ``(seed, "bucketing", e)``. As
+    generator :func:`cdsgd.base.seeding.generator` ``(seed, "bucketing", e)``. As
     with torch's ``DistributedSampler``, :meth:`set_epoch` picks the epoch;
     every ``iter()`` then uses the current epoch and moves on to the next, so
     iterating repeatedly without ``set_epoch`` walks through epochs 0, 1, ….
@@ -123,7 +123,7 @@ class BucketBatchSampler:
 
 
 class BucketStream:
-    """Endless bucketed batches of indices, with the interface of :class:`cdsgd.simulator.BatchStream`.
+    """Endless bucketed batches of indices, with the interface of :class:`cdsgd.executor.BatchStream`.
 
     Epoch after epoch as :class:`BucketBatchSampler` with ``shuffle=True,
     drop_last=False`` (and its ``fill``), but every epoch's order is drawn
@@ -211,7 +211,7 @@ def sync_steps_per_bucket(part_sizes, batch_size: int) -> list[int]:
 def shared_bucket_order(seed: int, steps_per_bucket, pass_index: int) -> torch.Tensor:
     """Pass ``pass_index``'s bucket sequence: bucket i m_i times, in the order of a randperm.
 
-    The randperm comes from :func:`cdsgd.seeding.generator` ``(seed,
+    The randperm comes from :func:`cdsgd.base.seeding.generator` ``(seed,
     "buckets", pass_index)``, so every agent and rank computes the same
     sequence without communicating.
     """

@@ -19,7 +19,7 @@ which :func:`optimal_bucket_boundaries` minimises exactly;
 Batches: :class:`BucketBatchSampler` yields one epoch of index batches at a
 time (seeded per epoch, like torch's ``DistributedSampler``);
 :class:`BucketStream` is the endless variant with the interface of
-:class:`cdsgd.simulator.BatchStream` (``next()``, ``state_dict()``,
+:class:`cdsgd.executor.BatchStream` (``next()``, ``state_dict()``,
 ``load_state_dict()``). The order of an epoch: within each bucket the indices
 are shuffled and cut into batches of ``batch_size`` (the last one of a bucket
 may be shorter), then the batches of all buckets are put in a random order.
@@ -45,7 +45,7 @@ import numpy as np
 
 from topologies import Registry
 
-from ..checks import check_int
+from ..base.checks import check_int
 from .bucket_batches import (BucketBatchSampler, BucketStream, SyncBucketStream, bucket_part_sizes,
                              shared_bucket_order, sync_steps_per_bucket)
 from .bucket_lengths import bucket_of, check_lengths, padded_fraction, padding_cost

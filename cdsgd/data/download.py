@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path, PurePosixPath
 
-from ..files import fsync_dir
+from ..base.files import fsync_dir
 
 __all__ = ["MIRRORS", "SHA256"]
 

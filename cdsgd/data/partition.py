@@ -38,8 +38,8 @@ import numpy as np
 
 from topologies import Registry
 
-from ..checks import check_int
-from ..seeding import derive_seed
+from ..base.checks import check_int
+from ..base.seeding import derive_seed
 
 __all__ = ["PARTITIONS", "partition", "class_histogram"]
 

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..flat import ParamLayout
-from ..mixing import MatrixMixer, Mixer, ScheduleMixer, is_schedule, is_sparse
+from ..base.flat import ParamLayout
+from ..mixers import MatrixMixer, Mixer, ScheduleMixer, is_schedule, is_sparse
 from .gradients import choose_strategy
 
 __all__ = ["Agents", "build_agents", "make_mixer", "seeded_model"]

@@ -7,7 +7,7 @@ computes its gradient at the same iterate, then the update rule of
 
 Independence of agents. Agent j has its own model instance (for buffers),
 its own momentum rows, its own data order and its own random streams, all
-seeded from (seed, j) by :func:`cdsgd.seeding.derive_seed`:
+seeded from (seed, j) by :func:`cdsgd.base.seeding.derive_seed`:
 
 * ``init="same"`` (default): one model is built under seed (seed, "init")
   and copied to every agent; ``init="independent"``: agent j's model is built
@@ -61,9 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..algorithms import Algorithm, algorithm_params, make_algorithm
-from ..checks import check_int
-from ..seeding import derive_seed, generator
+from ..algorithms import Algorithm, make_algorithm
+from ..algorithms.rules import UnknownHyperparameter
+from ..base.checks import check_int
+from ..base.seeding import derive_seed, generator
 from . import evaluation
 from . import state as checkpoint_state
 from .agents import build_agents, make_mixer
@@ -161,14 +162,7 @@ class Executor:
         grad_clip: float = 0.0,
         **hyper,
     ) -> None:
-        self.n_agents = n = len(shards)
-        if n < 1:
-            raise ValueError("shards is empty; the simulator needs at least one agent")
-        for j, shard in enumerate(shards):
-            if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
-                raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
-            if len(shard[0]) != len(shard[1]):
-                raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
+        self.n_agents = n = _check_shards(shards)
         self.batch_size = check_int("batch_size", batch_size)
         self.seed = check_int("seed", seed, 0)
         if init not in INITS:
@@ -188,19 +182,7 @@ class Executor:
         if not (isinstance(grad_clip, (int, float)) and 0 <= grad_clip < math.inf):
             raise ValueError(f"grad_clip must be a finite number >= 0 (0: off), got {grad_clip!r}")
 
-        if isinstance(algorithm, str):
-            allowed = algorithm_params(algorithm)
-            unknown = sorted(set(hyper) - set(allowed))
-            if unknown:
-                own = [p for p in inspect.signature(Executor).parameters if p not in ("hyper",)]
-                raise ValueError(
-                    f"unknown option {unknown[0]!r}: not a Simulator option ({', '.join(own)}) "
-                    f"nor a hyperparameter of algorithm {algorithm!r} ({', '.join(allowed)})"
-                )
-            algorithm = make_algorithm(algorithm, **hyper)
-        elif hyper:
-            raise ValueError(f"hyperparameters {sorted(hyper)} given with a ready Algorithm; set them on it")
-        self.algorithm = algorithm
+        self.algorithm = algorithm = _make_algorithm(algorithm, hyper)
 
         # --- the mixer
         self.mixer = make_mixer(W, algorithm, n, self.agents, exact=exact)
@@ -236,13 +218,7 @@ class Executor:
         self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, self._G, loss_fn, self.rng,
                                        grad_clip=grad_clip)
 
-        self.test_set = None
-        if test_set is not None:
-            tx, ty = test_set
-            if eval_samples is not None and eval_samples < len(ty):
-                keep = torch.randperm(len(ty), generator=generator(self.seed, "eval"))[:eval_samples]
-                tx, ty = tx[keep], ty[keep]
-            self.test_set = (tx.to(self.device), ty.to(self.device))
+        self.test_set = None if test_set is None else self._held_test_set(test_set, eval_samples)
         self.eval_agents = evaluation.pick_agents(n, eval_agents)
 
         self.k = 0
@@ -260,6 +236,15 @@ class Executor:
         self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
         self.bytes_across_processes = 0.0
+
+    def _held_test_set(self, test_set: tuple[torch.Tensor, torch.Tensor],
+                       eval_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The test set on this executor's device, cut to a seeded random ``eval_samples`` of it when given."""
+        tx, ty = test_set
+        if eval_samples is not None and eval_samples < len(ty):
+            keep = torch.randperm(len(ty), generator=generator(self.seed, "eval"))[:eval_samples]
+            tx, ty = tx[keep], ty[keep]
+        return tx.to(self.device), ty.to(self.device)
 
     # ------------------------------------------------------------------- step
 
@@ -393,6 +378,36 @@ class Executor:
         model = self.models[i] if len(self.models) == len(self.agents) else copy.deepcopy(self.models[0])
         self.layout.load_into(model, self.X[i])
         return model
+
+
+def _check_shards(shards: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The number of agents: one per shard, each an (inputs, targets) pair of equal lengths (else a ValueError)."""
+    if len(shards) < 1:
+        raise ValueError("shards is empty; the simulator needs at least one agent")
+    for j, shard in enumerate(shards):
+        if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
+            raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
+        if len(shard[0]) != len(shard[1]):
+            raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
+    return len(shards)
+
+
+def _make_algorithm(algorithm: str | Algorithm, hyper: dict) -> Algorithm:
+    """The Executor's ``algorithm``: a ready Algorithm (with no ``hyper``) or ``make_algorithm(algorithm, **hyper)``.
+
+    ``hyper`` holds every keyword the Executor did not take itself, so a name
+    the rule does not take either is refused naming both lists.
+    """
+    if not isinstance(algorithm, str):
+        if hyper:
+            raise ValueError(f"hyperparameters {sorted(hyper)} given with a ready Algorithm; set them on it")
+        return algorithm
+    try:
+        return make_algorithm(algorithm, **hyper)
+    except UnknownHyperparameter as e:
+        own = [p for p in inspect.signature(Executor).parameters if p != "hyper"]
+        raise ValueError(f"unknown option {e.name!r}: not a Simulator option ({', '.join(own)}) "
+                         f"nor a hyperparameter of algorithm {e.algorithm!r} ({', '.join(e.allowed)})") from None
 
 
 def simulate(

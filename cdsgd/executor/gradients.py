@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from ..flat import ParamLayout
+from ..base.flat import ParamLayout
 from ..models import has_convolutions, vmap_blockers
 from .streams import AgentRNG
 

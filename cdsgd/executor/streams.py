@@ -1,7 +1,7 @@
 """Per-agent streams of an executor: data order (:class:`BatchStream`) and random draws (:class:`AgentRNG`).
 
 Every stream of agent j is seeded from (seed, j, purpose) by
-:func:`cdsgd.seeding.derive_seed`, so an executor holding any subset of the
+:func:`cdsgd.base.seeding.derive_seed`, so an executor holding any subset of the
 agents (all of them, a block, or one per rank) draws exactly what the
 others would for the same agents.
 """
@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..seeding import derive_seed
+from ..base.seeding import derive_seed
 
 __all__ = ["AgentRNG", "BatchStream"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_int
+from ..base.checks import check_int
 
 __all__ = ["ImplicitGRUCell", "classic_gru_step", "implicit_gru_step", "serial_forward"]
 

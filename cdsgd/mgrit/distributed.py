@@ -4,7 +4,7 @@ r"""MGRIT across processes: each torch.distributed rank solves its block of time
 rank r owns the fine steps of :func:`time_block`, runs the single-process
 solver's relaxations on them (:class:`_DistSolver`, a :class:`_Solver` with
 a ghost point) and talks point-to-point to ranks r ± 1 only, along
-:class:`_Chain` (every message posted by :func:`cdsgd.comm.exchange`, every
+:class:`_Chain` (every message posted by :func:`cdsgd.base.comm.exchange`, every
 wait bounded by a timeout). The one collective is the all-reduce of the
 parameter gradients at the end of backward. :func:`gather_states` assembles
 the full sequence of states for tests and evaluation. The maths and the
@@ -18,9 +18,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..checks import check_int
-from ..comm import exchange, wait
-from ..flat import flatten, unflatten
+from ..base.checks import check_int
+from ..base.comm import exchange, wait
+from ..base.flat import flatten, unflatten
 from .cell import ImplicitGRUCell, _check_x_h0, implicit_gru_step
 from .solver import _check_length, _check_options, _gradients, _linearise, _rep3, _Solver
 
@@ -67,9 +67,9 @@ class _Chain:
 
     For the forward solve the predecessor is rank r − 1, for the adjoint
     (reversed time) rank r + 1; ``None`` at the ends. Every message is one
-    ``batch_isend_irecv`` list (:func:`cdsgd.comm.exchange`; peers are ranks
+    ``batch_isend_irecv`` list (:func:`cdsgd.base.comm.exchange`; peers are ranks
     of ``group``) and every wait has ``timeout`` seconds
-    (:class:`cdsgd.comm.CommError` otherwise). No collective is used.
+    (:class:`cdsgd.base.comm.CommError` otherwise). No collective is used.
     """
 
     def __init__(self, rank: int, world: int, reverse: bool, group, timeout: float) -> None:
@@ -299,7 +299,7 @@ def mgrit_gru_distributed(cell: ImplicitGRUCell, x: torch.Tensor, h0: torch.Tens
     as a replicated layer in front of the GRU needs.
 
     Every wait lasts at most ``timeout`` seconds; a silent or dead neighbour
-    raises :class:`cdsgd.comm.CommError` naming it (the group is unusable
+    raises :class:`cdsgd.base.comm.CommError` naming it (the group is unusable
     after that). ``stats`` (a dict) receives the global residual norms under
     ``"forward"`` and ``"backward"``, equal on all ranks. Ranks must agree on
     T, options and parameters (not checked: a mismatch shows as wrong

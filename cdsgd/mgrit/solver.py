@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int
+from ..base.checks import check_int
 from .cell import ImplicitGRUCell, _check_x_h0, implicit_gru_step
 
 __all__ = ["mgrit_backward", "mgrit_forward"]

@@ -11,11 +11,11 @@
   :func:`check_agreement`.
 
 Communication primitives (:class:`CommError`, waits with a timeout, posting
-a batch of sends and receives) live one layer down in :mod:`cdsgd.comm`,
+a batch of sends and receives) live one layer down in :mod:`cdsgd.base.comm`,
 shared with the MGRIT time chain; ``CommError`` is re-exported here.
 """
 
-from ..comm import CommError
+from ..base.comm import CommError
 from .exchange import BlockMixer, DistReducer, NeighbourMixer, agent_block, check_agreement
 from .group import DistGroup, Failure, Group, LocalGroup, Terminated, describe, join
 

@@ -9,11 +9,11 @@ whole rows when N/R is a multiple of its row length.
 
 :class:`BlockMixer` computes Σ_l π_jl x_l for the block's L agents. Rows
 whose neighbours are all held mix in place, as in the simulator (the block
-of W among the held agents, applied by :class:`cdsgd.mixing.MatrixMixer`'s
+of W among the held agents, applied by :class:`cdsgd.mixers.MatrixMixer`'s
 product); for the cut edges, each rank sends every neighbouring rank, in
 one message, exactly the rows that rank's agents need and receives the
 rows its own agents need into a preallocated halo; the step posts all of
-them at once (:func:`cdsgd.comm.exchange`: pairing every send and receive
+them at once (:func:`cdsgd.base.comm.exchange`: pairing every send and receive
 of a step is what keeps a neighbour exchange free of deadlocks) and adds
 the halo's contributions after the wait. CDSGD/CDMSGD steps issue no
 collective at all. Centralized SGD and FedAvg all-reduce, as their
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Callable
 
 import numpy as np
@@ -53,26 +54,59 @@ import torch.distributed as dist
 
 import topologies
 
-from ..comm import exchange, global_rank, wait
+from ..base.comm import exchange, global_rank, wait
 from ..executor.reducer import Reducer
-from ..mixing import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
+from ..mixers import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
                       ordered_weighted_sum)
 
-__all__ = ["BlockMixer", "DistReducer", "NeighbourMixer", "agent_block", "check_agreement"]
+__all__ = ["BlockMixer", "DistReducer", "NeighbourMixer", "agent_block", "agents_per_process", "check_agreement"]
+
+
+def agents_per_process(n_agents: int, processes: int) -> int:
+    """The number of agents each of ``processes`` processes holds, n_agents / processes.
+
+    A ValueError naming both counts and the process counts ``n_agents``
+    allows when ``processes`` does not divide it. The one check of the rule,
+    used by ``cdsgd launch`` (before any process starts), by
+    :func:`cdsgd.runtime.group.join` (WORLD_SIZE under torchrun) and by
+    :func:`agent_block`.
+
+    >>> agents_per_process(64, 2)
+    32
+    >>> agents_per_process(4, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: 3 processes but n_agents=4: the number of processes must divide n_agents (each process holds \
+n_agents/processes agents); n_agents=4 allows 1, 2 or 4 processes, or make n_agents a multiple of 3
+    """
+    if n_agents < 1:
+        raise ValueError(f"n_agents must be an integer >= 1, got {n_agents}")
+    if processes >= 1 and n_agents % processes == 0:
+        return n_agents // processes
+    divisors = sorted({d for i in range(1, math.isqrt(n_agents) + 1) if n_agents % i == 0 for d in (i, n_agents // i)})
+    shown, more = divisors, ""
+    if len(divisors) > 8:  # a long list helps less than the counts nearest the one asked for
+        shown = [d for d in divisors if d < processes][-1:] + [d for d in divisors if d > processes][:1]
+        more = f" (the nearest of its {len(divisors)} divisors)"
+    text = [str(d) for d in shown]
+    allowed = f"{', '.join(text[:-1])} or {text[-1]}" if len(text) > 1 else text[0]
+    allowed = f"n_agents={n_agents} allows {allowed} process{'es' if shown != [1] else ''}{more}"
+    if processes >= 1:
+        allowed += f", or make n_agents a multiple of {processes}"
+    raise ValueError(f"{processes} processes but n_agents={n_agents}: the number of processes must divide n_agents "
+                     f"(each process holds n_agents/processes agents); {allowed}")
 
 
 def agent_block(n_agents: int, world: int, rank: int) -> list[int]:
-    """The agents rank ``rank`` of ``world`` holds: a contiguous block of N/R (N a multiple of R).
+    """The agents rank ``rank`` of ``world`` holds: a contiguous block of N/R (N a multiple of R:
+    :func:`agents_per_process`).
 
     >>> agent_block(8, 2, 1), agent_block(4, 4, 2)
     ([4, 5, 6, 7], [2])
     """
-    if world < 1 or n_agents < world or n_agents % world:
-        raise ValueError(f"n_agents={n_agents} must be a multiple of the number of processes ({world}): "
-                         "every process holds n_agents/processes agents")
+    per = agents_per_process(n_agents, world)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside the {world} processes")
-    per = n_agents // world
     return list(range(rank * per, (rank + 1) * per))
 
 
@@ -106,7 +140,7 @@ class BlockMixer(Mixer):
             rank: checked by :func:`check_agreement`).
         rank, world: this process's rank in ``group`` and the group's size; it
             holds :func:`agent_block` (N, world, rank), and agent l lives on rank
-            l // (N/world). Peers are ranks of ``group`` (:mod:`cdsgd.comm`'s one
+            l // (N/world). Peers are ranks of ``group`` (:mod:`cdsgd.base.comm`'s one
             convention), translated to global ranks where a message is posted,
             so a subgroup (e.g. global ranks 1, 2, 3 of four) works as the
             world does. Under a process group, a ``rank`` or ``world`` that is

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm import CommError
+from ..base.comm import CommError
 from ..executor.reducer import Reducer
-from ..mixing import MatrixMixer, Mixer, ScheduleMixer, is_schedule
+from ..mixers import MatrixMixer, Mixer, ScheduleMixer, is_schedule
 
 __all__ = ["DistGroup", "Failure", "Group", "LocalGroup", "Terminated", "describe", "join"]
 
@@ -143,7 +143,8 @@ class LocalGroup(Group):
 def join(*, device: str, comm_timeout: float, n_agents: int) -> "DistGroup":
     """Join the torchrun launch this process belongs to (a block of n_agents/world agents per rank).
 
-    A ValueError outside a launch, or when the world size does not divide n_agents.
+    A ValueError outside a launch, or when the world size does not divide n_agents
+    (:func:`cdsgd.runtime.exchange.agents_per_process`).
     """
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
@@ -152,10 +153,10 @@ def join(*, device: str, comm_timeout: float, n_agents: int) -> "DistGroup":
             f"(missing {', '.join(missing)}): use  cdsgd launch --nproc-per-node R [CONFIG] "
             "[key=value ...]  (R dividing n_agents)  or  torchrun --nproc-per-node R -m cdsgd run ... executor=torch"
         )
-    world = int(os.environ["WORLD_SIZE"])
-    if world < 1 or n_agents % world:
-        raise ValueError(f"world size {world} must divide n_agents={n_agents}: every rank holds "
-                         "n_agents/world agents")
+    from .exchange import agents_per_process
+
+    # under a plain torchrun no cdsgd launch has checked the process count
+    agents_per_process(n_agents, int(os.environ["WORLD_SIZE"]))
     return DistGroup(device=device, comm_timeout=comm_timeout, n_agents=n_agents)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import topologies
-from cdsgd.algorithms import CDMSGD
+from cdsgd import CDMSGD
 from cdsgd.data import load_dataset, partition
 from cdsgd.runtime import NeighbourMixer, check_agreement
 

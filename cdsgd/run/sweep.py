@@ -55,10 +55,10 @@ from typing import Callable
 import topologies
 
 from .checkpoint import config_for_checkpoint
-from .config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
-from .files import atomic_write
+from ..config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
+from ..base.files import atomic_write
 from .plan import validate_config
-from .runtime.group import Terminated
+from ..runtime.group import Terminated
 
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
 

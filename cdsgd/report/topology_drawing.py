@@ -1,5 +1,5 @@
 """Pictures of a topology and its mixing weights (``cdsgd topo --draw``), and the headless
-matplotlib set-up every cdsgd figure shares (:mod:`cdsgd.plotting` draws runs and sweeps)."""
+matplotlib set-up every cdsgd figure shares (:mod:`cdsgd.report.plotting` draws runs and sweeps)."""
 
 from __future__ import annotations
 

@@ -37,18 +37,18 @@ from typing import Callable
 import torch
 
 import topologies
-from . import __version__
+from .. import __version__
 from . import checkpoint as ckpt
-from .config import Config, dump_config, load_config, short_value
-from .data import random_crop_flip
-from .executor import METRIC_COLUMNS, Diverged, Executor
-from .executor.evaluation import default_eval_agents
-from .files import atomic_write
+from ..config import Config, dump_config, load_config, short_value
+from ..data import random_crop_flip
+from ..executor import METRIC_COLUMNS, Diverged, Executor
+from ..executor.evaluation import default_eval_agents
+from ..base.files import atomic_write
 from .logger import make_logger
 from .plan import Parts, Plan, hyperparameters, prepare, validate_config
 from .progress import Progress, format_seconds, pick_mode, safe_stream
-from .comm import CommError
-from .runtime.group import Failure, Group, LocalGroup, Terminated, join
+from ..base.comm import CommError
+from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
@@ -177,7 +177,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
     ``progress``: a tqdm bar with evaluation lines above it (default: when
     stderr is a terminal of known size); otherwise lines through ``log``
     (default: print to stderr): one per evaluation and, between them, one
-    at most every 30 s with the step and the ETA (:mod:`cdsgd.progress`).
+    at most every 30 s with the step and the ETA (:mod:`cdsgd.run.progress`).
     A run that meets a non-finite loss or parameter stops with status
     ``diverged`` and raises :class:`Diverged` naming the step and agent.
     ``plan``: the result of :func:`validate_config` for this config, if the

@@ -64,8 +64,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .checks import check_choice, check_int
-from .executor import METRIC_COLUMNS
+from ..base.checks import check_choice, check_int
+from ..executor import METRIC_COLUMNS
 
 __all__ = ["EVENT_FILE_PREFIX", "LOGGERS", "LOSS_TAG", "RunLogger", "TensorBoardLogger", "check_logger",
            "make_logger", "row_tag"]

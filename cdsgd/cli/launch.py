@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .testing import free_port
+from ..base.comm import free_port
 
 __all__ = ["describe_launch_failure", "launch_argv"]
 

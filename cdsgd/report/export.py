@@ -2,7 +2,7 @@
 
 A run made with ``save_params = true`` leaves ``params.pt`` in its folder:
 the final N×P parameters, row j agent j's flat parameter vector in the order
-of ``model.named_parameters()`` (:class:`cdsgd.flat.ParamLayout`). This
+of ``model.named_parameters()`` (:class:`cdsgd.base.flat.ParamLayout`). This
 module rebuilds the run's model from its ``config.toml``,
 
     ``cdsgd.models.build_model(cfg.model, input_shape, n_classes, **cfg.model_params)``
@@ -25,7 +25,7 @@ into it, or the average x̄ = (1/N) Σ_j x_j (summed in float64, as the runs'
 
 >>> import tempfile
 >>> from cdsgd.config import load_config
->>> from cdsgd.experiment import run_experiment
+>>> from cdsgd.run.experiment import run_experiment
 >>> run = tempfile.mkdtemp() + "/run"
 >>> cfg = load_config(overrides=["n_agents=3", "epochs=0.2", "save_params=true", f"out={run}"])
 >>> _ = run_experiment(cfg, progress=False, log=lambda m: None)
@@ -47,11 +47,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .config import Config, load_config
-from .files import atomic_write
-from .flat import ParamLayout
-from .models import build_model
-from .plan import load_config_dataset
+from ..config import Config, load_config
+from ..base.files import atomic_write
+from ..base.flat import ParamLayout
+from ..models import build_model
+from ..run.plan import load_config_dataset
 
 __all__ = ["export_model", "load_model", "read_run", "save_model"]
 

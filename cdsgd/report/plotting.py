@@ -2,7 +2,7 @@
 
 Each ``*_figure`` function returns the matplotlib Figure (for tests and
 notebooks); ``plot_run`` and ``plot_sweep`` save them. Pictures of a topology
-(``draw_topology``) live in :mod:`cdsgd.topology_drawing` and are re-exported here.
+(``draw_topology``) live in :mod:`cdsgd.report.topology_drawing` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _run_title(folder) -> str:
             pass
     if "algorithm" not in info:
         return folder.name
-    from .config import short_value as show
+    from ..config import short_value as show
 
     return (f"{info['algorithm']} on {show(info.get('topology'))} (n={info.get('n_agents')}, "
             f"{info.get('mixing')}), {info.get('dataset')} ({info.get('partition')}), {info.get('model')}, "
@@ -190,8 +190,8 @@ def sweep_figures(folder) -> dict:
     """The Figures of :func:`plot_sweep`, by file name."""
     from pathlib import Path
 
-    from .config import short_value as show
-    from .sweep import RESULT_COLUMNS
+    from ..config import short_value as show
+    from ..run.sweep import RESULT_COLUMNS
 
     plt = pyplot()
     folder = Path(folder)

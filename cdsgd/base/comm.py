@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import datetime
 import re
+import socket
 from typing import Sequence
 
 import torch
 
-__all__ = ["CommError", "exchange", "first_line", "global_rank", "wait"]
+__all__ = ["CommError", "exchange", "first_line", "free_port", "global_rank", "wait"]
 
 
 class CommError(RuntimeError):
@@ -129,3 +130,18 @@ def exchange(ops: Sequence[tuple[str, torch.Tensor, int]], *, group=None, what: 
         return dist.batch_isend_irecv(p2p)
     except RuntimeError as e:  # a closed connection can fail the posting itself
         raise CommError(f"{what} failed (a neighbour's process is gone?): {first_line(e)}") from None
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``addr`` now (never 0: torchrun hangs on port 0).
+
+    The OS picks it; another process may take it before it is used, so use
+    it at once. ``addr`` may be IPv4 or IPv6.
+    """
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        port = s.getsockname()[1]
+    if not 0 < port < 65536:
+        raise OSError(f"the OS gave port {port} on {addr}, not a usable port")
+    return port

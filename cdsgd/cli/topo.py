@@ -9,7 +9,7 @@ from typing import Sequence
 
 def _parse_params(pairs: Sequence[str]) -> dict:
     """``--param KEY=VALUE`` pairs, each value read as a config override's is (a TOML value, else the text)."""
-    from .config import parse_override
+    from ..config import parse_override
 
     params = {}
     for pair in pairs:
@@ -43,7 +43,8 @@ def _add_topo(sub) -> None:
     )
     p.add_argument("topology", metavar="NAME_OR_PATH", help="builder or schedule name, or graph file path")
     p.add_argument("--n", type=int, default=None, help="number of nodes (required for builder names)")
-    p.add_argument("--rule", default="metropolis", help="weight rule (default: metropolis)")
+    p.add_argument("--rule", default=None,
+                   help="weight rule, the config's mixing (default: metropolis; a schedule has its own weights)")
     p.add_argument("--param", "-p", action="append", default=[], metavar="KEY=VALUE",
                    help="builder parameter, e.g. p=0.3, seed=1, rows=4 (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -51,7 +52,13 @@ def _add_topo(sub) -> None:
     p.set_defaults(func=_cmd_topo)
 
 
+#: the text output prints matrices of at most this many nodes (16 columns of 7 characters fit a terminal);
+#: a display limit only: how W is stored is topologies.DENSE_UP_TO's business
+PRINT_UP_TO = 16
+
+
 def _format_matrix(W) -> str:
+    W = W.toarray() if hasattr(W, "toarray") else W
     return "\n".join("  " + " ".join(f"{x:6.3f}" for x in row) for row in W)
 
 
@@ -59,17 +66,18 @@ def _cmd_topo(args) -> int:
     import topologies
 
     params = _parse_params(args.param)
-    if args.topology in topologies.SCHEDULES:
-        return _topo_schedule(args, params)
-    G = topologies.resolve(args.topology, args.n, **params)
-    W = topologies.mixing_matrix(G, args.rule, sparse=G.number_of_nodes() > 16)
-    info = {"topology": str(args.topology), "params": params, "rule": args.rule,
+    # the reading `cdsgd run` gives topology=..., mixing=... (cdsgd.run.plan): the same graph and W
+    G, W = topologies.graph_and_mixing(args.topology, args.n, args.rule, **params)
+    if isinstance(W, topologies.Schedule):
+        return _topo_schedule(args, params, W)
+    rule = args.rule or "metropolis"
+    info = {"topology": str(args.topology), "params": params, "rule": rule,
             **topologies.describe(G, W, matrix=args.json)}
     if args.draw:
-        from .plotting import draw_topology
+        from ..report.plotting import draw_topology
 
         given = ", ".join([f"n={info['n']}"] + [f"{k}={v}" for k, v in params.items()])
-        draw_topology(G, W, args.draw, title=f"{args.topology} ({given}), {args.rule} weights")
+        draw_topology(G, W, args.draw, title=f"{args.topology} ({given}), {rule} weights")
     if args.json:
         print(json.dumps(info))
         return 0
@@ -83,7 +91,7 @@ def _cmd_topo(args) -> int:
     print(f"spectral gap  {topologies.format_gap(info['spectral_gap'], 6)}")
     print(f"effective neighbours  {info['effective_neighbours']:.4g}   (n_W at decay {topologies.EFFECTIVE_DECAY}; "
           "Vogels et al. 2022)")
-    if info["n"] <= 16:
+    if info["n"] <= PRINT_UP_TO:
         print("mixing matrix")
         print(_format_matrix(W))
     if args.draw:
@@ -91,15 +99,12 @@ def _cmd_topo(args) -> int:
     return 0
 
 
-def _topo_schedule(args, params) -> int:
-    """``cdsgd topo`` for a time-varying schedule: period, rate, the matrices and their product."""
+def _topo_schedule(args, params, s) -> int:
+    """``cdsgd topo`` for a time-varying schedule ``s``: period, rate, the matrices and their product."""
     import topologies
 
-    if args.n is None:
-        raise ValueError(f"schedule {args.topology!r} needs --n")
     if args.draw:
         raise ValueError("--draw draws one graph; a schedule has one per step (use --json for its matrices)")
-    s = topologies.schedule(args.topology, args.n, **params)
     gap = topologies.spectral_gap(s)
     info = {"topology": args.topology, "params": params, "schedule": True, "n": s.n, "period": len(s),
             "symmetric": s.symmetric, "consensus_rate": s.consensus_rate(), "lambda2": gap.lambda2,
@@ -118,7 +123,7 @@ def _topo_schedule(args, params) -> int:
           "average)")
     print(f"spectral gap    {topologies.format_gap(gap.gap, 6)}   (per-step equivalent: 1 - rate^(1/period))")
     print(f"effective neighbours  {info['effective_neighbours']:.4g}   (n_W at decay {topologies.EFFECTIVE_DECAY})")
-    if s.n <= 16:
+    if s.n <= PRINT_UP_TO:
         for k, W in enumerate(s):
             print(f"W_{k}")
             print(_format_matrix(W))

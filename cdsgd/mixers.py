@@ -45,6 +45,8 @@ import torch
 
 import topologies
 
+from .base.compat import renamed_attribute
+
 __all__ = [
     "Handle",
     "Mixer",
@@ -136,10 +138,7 @@ class Mixer(abc.ABC):
     #: the agents (global indices) whose rows the stacks handed to this mixer hold
     agents: list[int]
 
-    @property
-    def rows(self) -> list[int]:
-        """The old name of :attr:`agents`."""
-        return self.agents
+    rows = renamed_attribute()  # the old name of agents (cdsgd.base.compat)
 
     @abc.abstractmethod
     def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
@@ -169,8 +168,6 @@ def _numel_per_agent(X: torch.Tensor) -> int:
     return X[0].numel() if X.dim() > 1 else X.numel()
 
 
-#: runs keep W as a dense array up to this many agents, as a sparse matrix beyond (cdsgd.plan)
-DENSE_UP_TO = 32
 #: the mixer multiplies the dense N×N matrix when more than this fraction of its entries are
 #: non-zero (small or dense graphs: a ring of 5, a complete graph); else it works edge by edge
 DENSE_FRACTION = 0.25

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,14 +35,14 @@ import torch
 
 import topologies
 
-from .algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
-from .config import Config, check_ranges, key_info
-from .data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
-from .data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
+from ..algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
+from ..config import Config, check_ranges, key_info
+from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
+from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
 from .logger import check_logger
-from .mixing import DENSE_UP_TO
-from .models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
-from .seeding import generator
+from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
+from ..base.compat import item_as_attribute
+from ..base.seeding import generator
 
 __all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "hyperparameters", "load_config_dataset", "prepare",
            "validate_config"]
@@ -61,7 +61,8 @@ class Plan:
 
     cfg: Config
     graph: nx.Graph
-    #: dense up to DENSE_UP_TO agents, a scipy.sparse CSR matrix beyond (O(edges) memory)
+    #: dense up to topologies.DENSE_UP_TO agents, a scipy.sparse CSR matrix beyond (O(edges) memory);
+    #: a topologies.Schedule for a time-varying topology
     W: "np.ndarray | object"
     spectral_gap: topologies.SpectralGap
     algorithm: Algorithm
@@ -96,11 +97,7 @@ class Parts:
     def spectral_gap(self) -> topologies.SpectralGap:
         return self.plan.spectral_gap
 
-    def __getitem__(self, name: str):
-        """``parts["shards"]``: the dict-style access of earlier releases."""
-        if name not in {f.name for f in fields(self)} | {"graph", "W", "spectral_gap"}:
-            raise KeyError(name)
-        return getattr(self, name)
+    __getitem__ = item_as_attribute  # parts["shards"]: the dict-style access of earlier releases (cdsgd.base.compat)
 
 
 def hyperparameters(cfg: Config) -> dict:
@@ -138,15 +135,7 @@ def validate_config(cfg: Config) -> Plan:
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
-    if cfg.topology in topologies.SCHEDULES:  # time-varying: W_k of the schedule at step k (its own weights)
-        if cfg.mixing != key_info("mixing")["default"]:
-            raise ValueError(f"topology {cfg.topology!r} is a time-varying schedule with its own weights; "
-                             f"mixing={cfg.mixing!r} does not apply to it (leave mixing unset)")
-        W = topologies.schedule(cfg.topology, cfg.n_agents, **cfg.topology_params)
-        G = W.union_graph()
-    else:
-        G = topologies.resolve(cfg.topology, cfg.n_agents, **cfg.topology_params)
-        W = topologies.mixing_matrix(G, cfg.mixing, sparse=G.number_of_nodes() > DENSE_UP_TO)  # no N×N at scale
+    G, W = plan_topology(cfg)
     algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
     data = None
     if is_import_path(cfg.dataset) or is_import_path(cfg.model):  # the user's code: run it before any folder exists
@@ -155,6 +144,15 @@ def validate_config(cfg: Config) -> Plan:
                             sample=data.train[0][:2])
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm, data=data,
                 notes=_notes(cfg, G))
+
+
+def plan_topology(cfg: Config):
+    """The graph and mixing matrix of ``cfg.topology``, ``cfg.mixing`` and ``cfg.topology_params`` on
+    ``cfg.n_agents`` agents: ``(G, W)`` by :func:`topologies.graph_and_mixing` (W a Schedule for a
+    time-varying topology)."""
+    # mixing left at its default is "not given": a schedule refuses only a rule the user chose
+    rule = None if cfg.mixing == key_info("mixing")["default"] else cfg.mixing
+    return topologies.graph_and_mixing(cfg.topology, cfg.n_agents, rule, **cfg.topology_params)
 
 
 def _notes(cfg: Config, G: nx.Graph) -> list[str]:
@@ -295,7 +293,7 @@ def _bucketed_streams(cfg: Config, ds, shards) -> dict:
                          f"synthetic_seq), not {cfg.dataset!r} with inputs of shape {ds.input_shape}")
     lengths = [sequence_lengths(x).numpy() for x, _ in shards]
     if cfg.bucket_sync:
-        from .data.bucketing import SyncBucketStream, bucket_part_sizes, sync_steps_per_bucket
+        from ..data.bucketing import SyncBucketStream, bucket_part_sizes, sync_steps_per_bucket
 
         common = bucket_boundaries(np.concatenate(lengths), cfg.bucketing, cfg.bucket_rule)
         steps = sync_steps_per_bucket(bucket_part_sizes(lengths, common), cfg.batch_size)

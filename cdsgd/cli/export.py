@@ -41,9 +41,9 @@ def _add_export(sub) -> None:
 
 
 def _cmd_export(args) -> int:
-    from .config import load_config
-    from .export import save_model
-    from .models import n_parameters
+    from ..config import load_config
+    from ..report.export import save_model
+    from ..models import n_parameters
 
     model = save_model(args.run_dir, args.out, agent=args.agent, average=args.average)
     cfg = load_config(f"{args.run_dir}/config.toml")

@@ -12,11 +12,10 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
-from .launch import describe_launch_failure, launch_argv  # noqa: F401 - public here too, as before
-from .cli_topo import _add_topo
-from .cli_export import _add_export
-from .testing import free_port  # noqa: F401 - public here too, as before
+from .. import __version__
+from .launch import describe_launch_failure, launch_argv
+from .topo import _add_topo
+from .export import _add_export
 
 __all__ = ["main", "build_parser"]
 
@@ -31,7 +30,7 @@ Run 'cdsgd VERB --help' for a verb's options."""
 
 def _config_help() -> str:
     """Every config key with its default and help, as each field of Config declares them."""
-    from .config import config_keys, key_info, toml_value
+    from ..config import config_keys, key_info, toml_value
 
     lines = ["config keys (key = default: meaning):"]
     for name in config_keys():
@@ -62,7 +61,7 @@ def _add_run(sub) -> None:
 
 def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     """``[CONFIG.toml] [key=value ...]`` → (the config file or None, the overrides)."""
-    from .config import config_keys
+    from ..config import config_keys
 
     path, overrides = None, []
     for i, a in enumerate(args):
@@ -81,8 +80,8 @@ def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _cmd_run(args) -> int:
-    from .config import dump_config, load_config
-    from .experiment import run_experiment, validate_config
+    from ..config import dump_config, load_config
+    from ..run.experiment import run_experiment, validate_config
 
     path, overrides = _split_run_args(args.args)
     cfg = load_config(path, overrides)
@@ -97,7 +96,7 @@ def _cmd_run(args) -> int:
         v = summary.get(key)
         return "nan" if v is None else format(v, fmt)
 
-    from .progress import format_seconds
+    from ..run.progress import format_seconds
 
     print(f"test accuracy {num('test_accuracy', '.4f')} (average model {num('test_accuracy_avg_model', '.4f')}), "
           f"consensus distance {num('consensus_distance', '.4g')}; {format_seconds(summary['total_seconds'])} in all "
@@ -146,8 +145,9 @@ def _add_launch(sub) -> None:
 def _cmd_launch(args) -> int:
     import time
 
-    from .config import load_config
-    from .experiment import default_out, validate_config
+    from ..config import load_config
+    from ..run.experiment import default_out, validate_config
+    from ..runtime.exchange import agents_per_process  # loaded with run.experiment already
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -159,9 +159,7 @@ def _cmd_launch(args) -> int:
     cfg = load_config(path, overrides + ["executor=torch"])
     validate_config(cfg)
     world = args.nproc_per_node * args.nnodes
-    if cfg.n_agents % world:
-        raise ValueError(f"--nproc-per-node x --nnodes = {world} processes but n_agents={cfg.n_agents}: "
-                         "the number of processes must divide n_agents (each holds n_agents/processes agents)")
+    per_process = agents_per_process(cfg.n_agents, world)  # before torchrun starts any process
     if not cfg.out:  # every rank (and every node) must write to the same folder name
         if args.nnodes > 1:
             raise ValueError("give out=FOLDER with --nnodes > 1 (every node must agree on it)")
@@ -175,7 +173,7 @@ def _cmd_launch(args) -> int:
         import shlex
 
         print("python -m torch.distributed.run " + shlex.join(argv))
-        print(f"{world} process(es), {cfg.n_agents // world} agent(s) each")
+        print(f"{world} process(es), {per_process} agent(s) each")
         return 0
     # torchrun sets OMP_NUM_THREADS=1 (with a banner) when it is unset; give each worker its share of the cores
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
@@ -217,7 +215,7 @@ def _add_sweep(sub) -> None:
 def _cmd_sweep(args) -> int:
     from pathlib import Path
 
-    from .sweep import collect, load_sweep, run_sweep
+    from ..run.sweep import collect, load_sweep, run_sweep
 
     if args.collect:
         if not Path(args.collect).is_dir():
@@ -234,7 +232,7 @@ def _cmd_sweep(args) -> int:
             print(r.folder)
         print(f"{len(runs)} runs")
         return 0
-    from .progress import safe_stream
+    from ..run.progress import safe_stream
 
     stdout = safe_stream(sys.stdout)  # `cdsgd sweep ... | head` must not stop the sweep
     report = run_sweep(runs, out, jobs=args.jobs, log=lambda line: print(line, file=stdout, flush=True))
@@ -265,8 +263,8 @@ def _add_plot(sub) -> None:
 def _cmd_plot(args) -> int:
     from pathlib import Path
 
-    from .plotting import plot_run, plot_sweep
-    from .sweep import collect
+    from ..report.plotting import plot_run, plot_sweep
+    from ..run.sweep import collect
 
     folder = Path(args.folder)
     if not folder.is_dir():
@@ -283,7 +281,7 @@ def _cmd_plot(args) -> int:
         if not (folder / "results.csv").exists():
             collect(folder)
         files += plot_sweep(folder, args.out)
-        from .sweep import group_table
+        from ..run.sweep import group_table
 
         table = Path(args.out or folder) / "table.md"
         table.write_text(group_table(folder))
@@ -297,7 +295,7 @@ def _cmd_plot(args) -> int:
 
 
 def _add_data(sub) -> None:
-    from .config import key_info
+    from ..config import key_info
 
     p = sub.add_parser(
         "data",
@@ -318,7 +316,7 @@ def _add_data(sub) -> None:
 
 
 def _cmd_data(args) -> int:
-    from .data import class_histogram, load_dataset, partition
+    from ..data import class_histogram, load_dataset, partition
 
     ds = load_dataset(args.dataset, args.data_dir, download=args.download)
     labels = ds.train[1].numpy()
@@ -348,7 +346,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         import re
 
-        from .config import config_keys
+        from ..config import config_keys
 
         for name, value in re.findall(r"--([A-Za-z][\w.-]*)(?:=(\S+))?", message):
             key = name.replace("-", "_")
@@ -384,7 +382,7 @@ def _input_error(e: BaseException) -> bool:
 def _terminate(signum, frame) -> None:
     import signal
 
-    from .experiment import Terminated
+    from ..run.experiment import Terminated
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough: let the run write its files
     raise Terminated()
@@ -403,8 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt as e:
-        from .experiment import Terminated
-        from .progress import safe_stream
+        from ..run.experiment import Terminated
+        from ..run.progress import safe_stream
 
         term = isinstance(e, Terminated)
         rank = os.environ.get("RANK") if "TORCHELASTIC_RUN_ID" in os.environ else None
@@ -413,12 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{who}: {'stopped by SIGTERM' if term else 'interrupted'}{detail}", file=safe_stream(sys.stderr))
         return 143 if term else 130
     except BrokenPipeError:
-        from .progress import silence
+        from ..run.progress import silence
 
         silence(sys.stdout)  # the output was cut short by its reader (`cdsgd topo ... | head`): not an error
         return 0
     except Exception as e:
-        from .progress import safe_stream
+        from ..run.progress import safe_stream
 
         status = 2 if _input_error(e) else 1
         if args.debug:

@@ -1,0 +1,169 @@
+"""Validators for user-given values: one set, used by every layer of cdsgd.
+
+Each check returns the value in its canonical type or raises a ValueError
+that names the value and what is allowed (never an ``assert``)::
+
+    >>> check_int("batch_size", 32), check_number("lr", 1)
+    (32, 1.0)
+    >>> check_int("batch_size", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_size must be an integer >= 1, got 0
+    >>> check_choice("executor", "thread", ("sim", "torch"))
+    Traceback (most recent call last):
+    ...
+    ValueError: executor 'thread' is unknown; Known: sim, torch
+
+The bounds and choices of the algorithms' hyperparameters are declared here
+once, as :class:`Bounds` and :class:`Choices` objects: the update rules
+(:mod:`cdsgd.algorithms`) check their arguments with them and the config
+(:mod:`cdsgd.config`) declares its keys with the same objects, so both doors
+refuse a bad value with one message::
+
+    >>> MOMENTUM.check("momentum", 1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: momentum must be in [0, 1), got 1.0
+    >>> str(LR_POWER), str(LR_SCHEDULES)
+    ('in (0.5, 1]', 'constant | diminishing')
+
+Pure Python: importing this module imports neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from topologies import unknown_name_error
+
+__all__ = ["FEDAVG_FRACTION", "LR", "LR_POWER", "LR_SCHEDULES", "LR_TAU", "MOMENTUM", "WEIGHT_DECAY", "Bounds",
+           "Choices", "check_choice", "check_int", "check_lr", "check_momentum", "check_number",
+           "check_weight_decay"]
+
+
+def check_int(name: str, value: Any, low: int = 1, *, what: str = "") -> int:
+    """``value`` as an int >= ``low`` (bools refused); ``what`` prefixes the message (e.g. ``"synthetic: "``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{what}{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_number(name: str, value: Any) -> float:
+    """``value`` as a float (bools, non-numbers and NaN refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """An interval of allowed numbers, declared once and checked wherever a value enters.
+
+    ``low``/``high``: the ends (None: unbounded on that side); ``low_open``/
+    ``high_open``: the end itself is excluded; ``finite``: infinity is refused
+    too; ``unit`` and ``note`` follow the interval in the error message.
+    ``str(bounds)`` is the interval as the messages and help texts write it.
+
+    >>> Bounds(low=0, low_open=True).check("epochs", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: epochs must be > 0, got 0
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    finite: bool = False
+    unit: str = ""
+    note: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if self.finite and math.isinf(value):
+            return False
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or bool(value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                    f"{')' if self.high_open else ']'}")
+        prefix = "a finite number " if self.finite else ""
+        if self.low is not None:
+            return f"{prefix}{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{prefix}{'<' if self.high_open else '<='} {self.high:g}"
+        return prefix.strip() or "a number"
+
+    def check(self, name: str, value: Any) -> Any:
+        """``value`` itself if it is a number within these bounds; else a ValueError naming ``name``, them and it."""
+        check_number(name, value)  # bools, non-numbers and NaN get check_number's message
+        if value not in self:
+            raise ValueError(f"{name} must be {self}{self.unit}{self.note}, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The allowed names of a value, in order, declared once for every layer that takes it.
+
+    ``str(choices)`` is ``"a | b"``, as help texts write the alternatives.
+    """
+
+    names: tuple[str, ...]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __str__(self) -> str:
+        return " | ".join(self.names)
+
+    def check(self, name: str, value: Any) -> str:
+        """``value`` if it is one of the names; else a ValueError naming ``name``, ``value`` and the names."""
+        if value not in self.names:
+            raise ValueError(f"{name} {value!r} is unknown; allowed: {', '.join(self.names)}")
+        return value
+
+
+# The algorithms' hyperparameters (cdsgd.algorithms.make_algorithm, the torch.optim classes, the config keys).
+#: step size α: finite and > 0
+LR = Bounds(low=0, low_open=True, finite=True)
+#: momentum μ: in [0, 1)
+MOMENTUM = Bounds(low=0, high=1, high_open=True)
+#: L2 coefficient λ: finite and >= 0
+WEIGHT_DECAY = Bounds(low=0, finite=True)
+#: τ of the diminishing step size: > 0
+LR_TAU = Bounds(low=0, low_open=True)
+#: p of the diminishing step size: in (0.5, 1], the condition under which CDSGD reaches exact consensus
+LR_POWER = Bounds(low=0.5, high=1, low_open=True, note=" so that Σα = ∞ and Σα² < ∞")
+#: the step-size schedules α_k (cdsgd.algorithms.StepSize)
+LR_SCHEDULES = Choices(("constant", "diminishing"))
+#: the fraction of agents FedAvg samples per round: in (0, 1]
+FEDAVG_FRACTION = Bounds(low=0, high=1, low_open=True)
+
+
+def check_lr(lr: Any) -> float:
+    """A step size as a float, within :data:`LR`."""
+    return LR.check("lr", check_number("lr", lr))
+
+
+def check_momentum(momentum: Any) -> float:
+    """A momentum μ as a float, within :data:`MOMENTUM`."""
+    return MOMENTUM.check("momentum", check_number("momentum", momentum))
+
+
+def check_weight_decay(wd: Any) -> float:
+    """An L2 coefficient λ as a float, within :data:`WEIGHT_DECAY`."""
+    return WEIGHT_DECAY.check("weight_decay", check_number("weight_decay", wd))
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[str]) -> str:
+    """``value`` if it is one of ``allowed``; else the did-you-mean error every registry gives."""
+    allowed = list(allowed)
+    if value not in allowed:
+        raise unknown_name_error(name, value, allowed)
+    return value

@@ -1,0 +1,16 @@
+"""The ``cdsgd`` command line: :func:`main` (the console script) and its parser.
+
+:mod:`.commands`
+    ``cdsgd run | launch | sweep | plot | data`` and the parser.
+:mod:`.topo`, :mod:`.export`
+    ``cdsgd topo`` and ``cdsgd export``.
+:mod:`.launch`
+    how ``cdsgd launch`` drives torchrun.
+"""
+
+from ..base.compat import module_getattr
+from .commands import build_parser, main
+
+__all__ = ["build_parser", "main"]
+
+__getattr__ = module_getattr(__name__)  # old names (cdsgd.base.compat)

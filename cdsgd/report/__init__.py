@@ -1,0 +1,14 @@
+"""What a run leaves for people and other tools: figures and exported models.
+
+:mod:`.plotting`
+    a run's curves, a sweep's figures (``plot_run``, ``plot_sweep``).
+:mod:`.topology_drawing`
+    a graph's picture (``draw_topology``).
+:mod:`.export`
+    a run's ``params.pt`` → a standard ``state_dict`` of its model.
+
+Import from the modules; this package re-exports nothing (matplotlib loads
+only when a figure is drawn).
+"""
+
+__all__: list[str] = []
