@@ -57,7 +57,10 @@ def test_volatile_keys_are_declared_on_the_fields():
 def test_parts_answer_dict_style_too():
     cfg = load_config(overrides=["train_subset=100", "test_subset=20"])
     parts = P.prepare(cfg)
-    assert parts["shards"] is parts.shards and parts["W"] is parts.plan.W
+    with pytest.warns(DeprecationWarning, match=r"Parts\['shards'\] is an old name: use Parts.shards"):
+        assert parts["shards"] is parts.shards
+    with pytest.warns(DeprecationWarning):
+        assert parts["W"] is parts.plan.W
     assert sum(len(y) for _, y in parts.shards) == 100 and len(parts.test_set[1]) == 20
     with pytest.raises(KeyError):
         parts["nothing"]

@@ -59,17 +59,17 @@ def test_each_agent_buckets_its_own_shard():
     cfg = load_config(overrides=[*VOWELS, "bucketing=3", "bucket_rule=quantile", "partition=classes"])
     parts = prepare(cfg)
     per_pass = []
-    for (x, _), bounds in zip(parts["shards"], parts["bucket_boundaries"]):
+    for (x, _), bounds in zip(parts.shards, parts.bucket_boundaries):
         lengths = sequence_lengths(x).numpy()
         assert bounds == bucket_boundaries(lengths, 3, "quantile")
         per_pass.append(sum(math.ceil(c / 16) for c in np.bincount(bucket_of(lengths, bounds)) if c))
-    assert parts["steps_per_epoch"] == math.ceil(sum(per_pass) / 4)
+    assert parts.steps_per_epoch == math.ceil(sum(per_pass) / 4)
     # the executor draws every agent's batches from within one of its own buckets
-    sim = Simulator(parts["model_fn"], parts["shards"], parts["W"], "cdmsgd", batch_size=16, lr=0.1,
-                    batch_stream=parts["batch_stream"], steps_per_epoch=parts["steps_per_epoch"])
+    sim = Simulator(parts.model_fn, parts.shards, parts.W, "cdmsgd", batch_size=16, lr=0.1,
+                    batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch)
     for i, (x, _) in enumerate(sim.shards):
         lengths = sequence_lengths(x).numpy()
-        bucket = bucket_of(lengths, parts["bucket_boundaries"][i])
+        bucket = bucket_of(lengths, parts.bucket_boundaries[i])
         seen = []
         for _ in range(per_pass[i]):
             idx = sim.streams[i].next().numpy()
@@ -81,10 +81,10 @@ def test_each_agent_buckets_its_own_shard():
 def test_bucket_fill_full_batches_as_many_steps_as_without_buckets():
     cfg = load_config(overrides=[*VOWELS, "bucketing=8", "bucket_fill=true", "partition=classes"])
     parts = prepare(cfg)
-    sizes = [len(y) for _, y in parts["shards"]]
-    assert parts["steps_per_epoch"] == math.ceil(sum(math.ceil(n / 16) for n in sizes) / 4)
-    sim = Simulator(parts["model_fn"], parts["shards"], parts["W"], "cdmsgd", batch_size=16, lr=0.1,
-                    batch_stream=parts["batch_stream"], steps_per_epoch=parts["steps_per_epoch"])
+    sizes = [len(y) for _, y in parts.shards]
+    assert parts.steps_per_epoch == math.ceil(sum(math.ceil(n / 16) for n in sizes) / 4)
+    sim = Simulator(parts.model_fn, parts.shards, parts.W, "cdmsgd", batch_size=16, lr=0.1,
+                    batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch)
     for stream, n in zip(sim.streams, sizes):
         batches = [stream.next().tolist() for _ in range(math.ceil(n / 16))]
         assert sorted(i for b in batches for i in b) == list(range(n))
