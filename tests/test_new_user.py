@@ -314,7 +314,7 @@ def test_interrupted_run_says_how_to_continue(tmp_path):
         time.sleep(0.2)
     p.send_signal(signal.SIGINT)
     err = p.communicate(timeout=300)[1]
-    assert p.returncode == 130
+    assert p.returncode == 130, err
     assert f"continue it with: cdsgd run {out / 'config.toml'} resume=true" in err, err
 
 

@@ -59,8 +59,8 @@ from topologies import TOL, Registry
 
 from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
                            check_number, check_weight_decay)
-from ..mixers import Handle, Mixer
 from ..base.seeding import derive_seed
+from ..mixers import Handle, Mixer
 
 __all__ = [
     "ALGORITHMS",

@@ -13,9 +13,9 @@ import sys
 from typing import Sequence
 
 from .. import __version__
+from .export import _add_export
 from .launch import describe_launch_failure, launch_argv
 from .topo import _add_topo
-from .export import _add_export
 
 __all__ = ["main", "build_parser"]
 
@@ -382,7 +382,7 @@ def _input_error(e: BaseException) -> bool:
 def _terminate(signum, frame) -> None:
     import signal
 
-    from ..run.experiment import Terminated
+    from ..runtime.group import Terminated  # its home: a SIGTERM during the import of run.experiment must not fail here
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough: let the run write its files
     raise Terminated()
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt as e:
-        from ..run.experiment import Terminated
+        from ..runtime.group import Terminated
         from ..run.progress import safe_stream
 
         term = isinstance(e, Terminated)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ..base.comm import free_port
-
 __all__ = ["describe_launch_failure", "launch_argv"]
 
 
 def launch_argv(args, overrides: list[str], path: str | None) -> list[str]:
     """torchrun's argument list for ``cdsgd launch``."""
+    from ..base.comm import free_port  # here, not at the top: `cdsgd --help` must not wait for torch
+
     port = args.master_port
     if port is None:
         if args.nnodes > 1:

@@ -47,9 +47,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..config import Config, load_config
 from ..base.files import atomic_write
 from ..base.flat import ParamLayout
+from ..config import Config, load_config
 from ..models import build_model
 from ..run.plan import load_config_dataset
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import VOLATILE_KEYS
 from ..base.files import atomic_write
+from ..config import VOLATILE_KEYS
 
 __all__ = ["EXTENDABLE_KEYS", "FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk", "load", "prune",
            "config_for_checkpoint", "config_mismatch", "remove_all"]

@@ -38,17 +38,17 @@ import torch
 
 import topologies
 from .. import __version__
-from . import checkpoint as ckpt
+from ..base.comm import CommError
+from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
 from ..data import random_crop_flip
 from ..executor import METRIC_COLUMNS, Diverged, Executor
 from ..executor.evaluation import default_eval_agents
-from ..base.files import atomic_write
+from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
+from . import checkpoint as ckpt
 from .logger import make_logger
 from .plan import Parts, Plan, hyperparameters, prepare, validate_config
 from .progress import Progress, format_seconds, pick_mode, safe_stream
-from ..base.comm import CommError
-from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]

@@ -36,13 +36,13 @@ import torch
 import topologies
 
 from ..algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
+from ..base.compat import item_as_attribute
+from ..base.seeding import generator
 from ..config import Config, check_ranges, key_info
 from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
 from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
-from .logger import check_logger
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
-from ..base.compat import item_as_attribute
-from ..base.seeding import generator
+from .logger import check_logger
 
 __all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "hyperparameters", "load_config_dataset", "prepare",
            "validate_config"]

@@ -54,11 +54,11 @@ from typing import Callable
 
 import topologies
 
-from .checkpoint import config_for_checkpoint
-from ..config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
 from ..base.files import atomic_write
-from .plan import validate_config
+from ..config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
 from ..runtime.group import Terminated
+from .checkpoint import config_for_checkpoint
+from .plan import validate_config
 
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
 
