@@ -58,7 +58,7 @@ import torch
 from topologies import TOL, Registry
 
 from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
-                           check_number, check_weight_decay)
+                           check_weight_decay)
 from ..base.seeding import derive_seed
 from ..mixers import Handle, Mixer
 
@@ -149,8 +149,8 @@ class StepSize:
     def __init__(self, lr: float, schedule: str = "constant", *, tau: float = 1000.0, power: float = 1.0) -> None:
         self.lr = check_lr(lr)
         self.schedule = LR_SCHEDULES.check("lr_schedule", schedule)
-        self.tau = LR_TAU.check("lr_tau", check_number("lr_tau", tau))
-        self.power = LR_POWER.check("lr_power", check_number("lr_power", power))
+        self.tau = float(LR_TAU.check("lr_tau", tau))
+        self.power = float(LR_POWER.check("lr_power", power))
 
     def __call__(self, k: int) -> float:
         if self.schedule == "constant":
@@ -328,7 +328,7 @@ class FedAvgAlgorithm(Algorithm):
         self.local_epochs = None if local_epochs is None else check_int("local_epochs", local_epochs, 1)
         if local_steps is None and local_epochs is None:
             self.local_epochs = 1  # the paper's FedAvg: one local epoch per round
-        self.fraction = FEDAVG_FRACTION.check("fedavg_fraction", check_number("fedavg_fraction", fedavg_fraction))
+        self.fraction = float(FEDAVG_FRACTION.check("fedavg_fraction", fedavg_fraction))
         self._round_mask: tuple[int | None, torch.Tensor | None] = (None, None)  # (round, participants)
 
     @property

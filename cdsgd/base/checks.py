@@ -148,17 +148,17 @@ FEDAVG_FRACTION = Bounds(low=0, high=1, low_open=True)
 
 def check_lr(lr: Any) -> float:
     """A step size as a float, within :data:`LR`."""
-    return LR.check("lr", check_number("lr", lr))
+    return float(LR.check("lr", lr))
 
 
 def check_momentum(momentum: Any) -> float:
     """A momentum μ as a float, within :data:`MOMENTUM`."""
-    return MOMENTUM.check("momentum", check_number("momentum", momentum))
+    return float(MOMENTUM.check("momentum", momentum))
 
 
 def check_weight_decay(wd: Any) -> float:
     """An L2 coefficient λ as a float, within :data:`WEIGHT_DECAY`."""
-    return WEIGHT_DECAY.check("weight_decay", check_number("weight_decay", wd))
+    return float(WEIGHT_DECAY.check("weight_decay", wd))
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[str]) -> str:
