@@ -10,7 +10,7 @@ from torch import nn
 
 import topologies
 from cdsgd.algorithms import CDMSGD, CDSGD, StepSize, make_algorithm
-from cdsgd.mixers import Handle, MatrixMixer, Mixer, ordered_weighted_sum
+from cdsgd.mixers import Handle, MatrixMixer, Mixer, ordered_weighted_sum, result_tensor
 from cdsgd.executor import METRIC_COLUMNS, BatchStream, Simulator, simulate
 from cdsgd.base.seeding import generator
 
@@ -100,20 +100,21 @@ class BoardMixer(Mixer):
     """In-process stand-in for a neighbour exchange: agent j posts x_j, then reads Σ_l π_jl x_l."""
 
     def __init__(self, W, j, board):
-        self.W, self.j, self.board, self.n_agents = W, j, board, len(W)
+        self.W, self.j, self.board, self.n_agents, self.agents = W, j, board, len(W), [j]
         self.bytes_sent = torch.zeros(1, dtype=torch.float64)
 
-    def start(self, x):
+    def start(self, x, *, out=None):
         self.board[self.j] = x.clone()
         board, row = self.board, self.W[self.j]
+        out = result_tensor(x, out)
 
         class _H(Handle):
             def wait(self_inner):
-                return sum(float(row[l]) * board[l] for l in range(len(row)))
+                return out.copy_(sum(float(row[l]) * board[l] for l in range(len(row))))
 
         return _H(None)
 
-    def average(self, x, mask=None):
+    def average(self, x, mask=None, *, out=None):
         raise NotImplementedError
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import topologies
 from cdsgd.algorithms import CDMSGD, CDSGD, StepSize, make_algorithm
-from cdsgd.algorithms.rules import UnknownHyperparameter
+from cdsgd.algorithms.factory import UnknownHyperparameter
 from cdsgd.base import checks
 from cdsgd.base.checks import Bounds
 from cdsgd.config import Config, check_ranges, key_info

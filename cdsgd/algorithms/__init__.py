@@ -13,16 +13,8 @@ from ..base.compat import module_getattr
 from .heterogeneous import D2Algorithm, DSGTAlgorithm, QGDSGDmAlgorithm
 from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
 from .pushsum import SGPAlgorithm
-from .rules import (
-    ALGORITHMS,
-    Algorithm,
-    StepSize,
-    algorithm_params,
-    cdsgd_update,
-    make_algorithm,
-    momentum_update,
-    with_weight_decay,
-)
+from .factory import algorithm_params, make_algorithm
+from .rules import ALGORITHMS, Algorithm, StepSize, cdsgd_update, momentum_update, with_weight_decay
 
 __all__ = [
     "ALGORITHMS",

@@ -103,11 +103,14 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
         return {"tracker": torch.zeros_like(X), "previous_gradient": torch.zeros_like(X), **self._momentum_state(X)}
 
     def start(self, X, state, mixer):
-        return mixer.start(X), mixer.start(state["tracker"], "tracker")
+        self.accept(mixer)
+        Y = state["tracker"]
+        return mixer.start(X, out=self._scratch(X, "mixed")), mixer.start(Y, out=self._scratch(Y, "mixed_tracker"))
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
+        self.accept(mixer)
         mixed_x, mixed_y = mixed if mixed is not None else self.start(X, state, mixer)
-        G = with_weight_decay(G, X, self.weight_decay)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         Y, G_prev = state["tracker"], state["previous_gradient"]
         Wy = mixed_y.wait()
         for Wy_b, G_b, Y_b, Gp_b in _in_blocks(Wy, G, Y, G_prev):
@@ -143,7 +146,8 @@ class D2Algorithm(_LocalMomentum, Algorithm):
                 f"{lam:.6g}; use mixing=lazy_metropolis ((I + W)/2 has eigenvalues >= 0)")
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         D = _direction(G, state, self.momentum, self.nesterov)
         lr = self.step_size(k)
         X_prev, U_prev, H = state["previous_params"], state["previous_update"], state["half_step"]
@@ -151,7 +155,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
             torch.mul(X_b, 2.0, out=H_b).sub_(Xp_b).add_(Up_b).add_(D_b, alpha=-lr)  # 2x^k − x^{k−1} − u^k + u^{k−1}
             torch.mul(D_b, lr, out=Up_b)
             Xp_b.copy_(X_b)
-        return X.copy_(mixer.mix(H))
+        return mixer.mix(H, out=X)
 
 
 @ALGORITHMS.register("qg_dsgdm")
@@ -168,7 +172,8 @@ class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
         return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X), "half_step": torch.zeros_like(X)}
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         beta, lr = self.momentum, self.step_size(k)
         M, D, H = state["momentum"], state["direction"], state["half_step"]
         for G_b, M_b, D_b, X_b, H_b in _in_blocks(G, M, D, X, H):
@@ -176,7 +181,7 @@ class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
             if self.nesterov:
                 D_b.mul_(beta).add_(G_b)  # d = g + β m̃
             torch.add(X_b, D_b, alpha=-lr, out=H_b)
-        mixed = mixer.mix(H)
+        mixed = mixer.mix(H, out=self._scratch(X, "mixed"))
         for M_b, D_b, X_b, W_b in _in_blocks(M, D, X, mixed):
             torch.sub(X_b, W_b, out=D_b)  # x^k − x^{k+1}
             M_b.mul_(beta).add_(D_b, alpha=(1.0 - beta) / lr)

@@ -10,10 +10,12 @@ parameters identically. See docs/distributed.md for a complete loop.
 Example (an agent alone: Π = [1], so a step is plain SGD)::
 
     >>> import torch
-    >>> class Alone(Mixer):   # Σ_l π_jl x_l = x_j
-    ...     n_agents, rows, bytes_sent = 1, [0], torch.zeros(1)
-    ...     def start(self, x): return Handle(x.clone())
-    ...     def average(self, x, mask=None): return x
+    >>> from cdsgd.mixers import Handle, Mixer, result_tensor
+    >>> class Alone(Mixer):   # one agent, no neighbours: Σ_l π_jl x_l = x_j
+    ...     n_agents, agents = 1, [0]
+    ...     def __init__(self): self.bytes_sent = torch.zeros(1, dtype=torch.float64)
+    ...     def start(self, x, *, out=None): return Handle(result_tensor(x, out).copy_(x))
+    ...     def average(self, x, mask=None, *, out=None): return result_tensor(x, out).copy_(x)
     >>> w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     >>> opt = CDSGD([w], Alone(), lr=0.5)
     >>> w.grad = torch.tensor([1.0, 1.0]); _ = opt.step(); w.tolist()
@@ -28,8 +30,9 @@ import torch
 
 from ..base.checks import check_lr, check_momentum, check_weight_decay
 from ..base.flat import flatten, unflatten
-from ..mixers import Handle, Mixer
-from .rules import Algorithm, cdsgd_update, make_algorithm, momentum_update, with_weight_decay
+from ..mixers import Handle, Mixer, check_mixer
+from .factory import make_algorithm
+from .rules import Algorithm, cdsgd_update, momentum_update, with_weight_decay
 
 __all__ = ["CDMSGD", "CDSGD", "DecentralizedOptimizer"]
 
@@ -54,8 +57,7 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, defaults: dict, mixer: Mixer) -> None:
-        if not isinstance(mixer, Mixer):
-            raise ValueError(f"mixer must be a cdsgd.mixers.Mixer, got {type(mixer).__name__}")
+        check_mixer(mixer)
         super().__init__(params, defaults)
         self.mixer = mixer
         self._handle: Handle | None = None
@@ -64,6 +66,7 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
             raise ValueError("optimizer got an empty parameter list")
         first = params[0]
         self._flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        self._mixed = torch.empty_like(self._flat)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -72,7 +75,7 @@ class _ConsensusOptimizer(torch.optim.Optimizer):
     def post(self) -> None:
         """Start exchanging the current parameters with the neighbours."""
         flatten(self._params(), out=self._flat)
-        self._handle = self.mixer.start(self._flat)
+        self._handle = self.mixer.start(self._flat, out=self._mixed)
 
     def _update(self, p: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, group: dict) -> None:
         """Write the new value of parameter ``p`` into it."""
@@ -177,8 +180,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, mixer: Mixer, algorithm: str | Algorithm = "dsgt", **hyper) -> None:
-        if not isinstance(mixer, Mixer):
-            raise ValueError(f"mixer must be a cdsgd.mixers.Mixer, got {type(mixer).__name__}")
+        check_mixer(mixer)
         if isinstance(algorithm, str):
             algorithm = make_algorithm(algorithm, **hyper)
         elif hyper:

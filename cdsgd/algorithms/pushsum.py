@@ -65,13 +65,14 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
         topologies.validate(W, symmetric=False, row_sums=False)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         D = _direction(G, state, self.momentum, self.nesterov)
         w, num = state["weight"], state["numerator"]
         w_rows = w.view(-1, *([1] * (X.dim() - 1)))
         torch.mul(X, w_rows, out=num).add_(D, alpha=-self.step_size(k))  # x = z·w − α d
-        mixed_num = mixer.start(num)
-        mixed_w = mixer.start(w, "weight")
+        mixed_num = mixer.start(num, out=self._scratch(num, "mixed"))
+        mixed_w = mixer.start(w, out=self._scratch(w, "mixed_weight"))
         w.copy_(mixed_w.wait())
         return torch.div(mixed_num.wait(), w_rows, out=X)  # z = x / w
 

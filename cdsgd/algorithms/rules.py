@@ -32,7 +32,7 @@ Step sizes: ``constant`` α_k = α₀, or ``diminishing``
 
 Two ways in:
 
-* :func:`make_algorithm` gives an :class:`Algorithm` whose ``update`` the
+* :func:`make_algorithm` (:mod:`.factory`) gives an :class:`Algorithm` whose ``update`` the
   executors (simulator, runtime) call on X;
 * :class:`CDSGD` and :class:`CDMSGD` are ``torch.optim.Optimizer`` classes
   for a user's own training loop, one instance per agent, taking a Mixer that
@@ -42,6 +42,7 @@ Example (two agents, one parameter each, zero gradients: one step is Π X)::
 
     >>> import torch
     >>> from cdsgd.mixers import MatrixMixer
+    >>> from cdsgd.algorithms import make_algorithm
     >>> alg = make_algorithm("cdsgd", lr=0.1)
     >>> X = torch.tensor([[0.0], [1.0]]); G = torch.zeros(2, 1)
     >>> alg.update(X, G, alg.init_state(X), k=0, mixer=MatrixMixer([[0.75, 0.25], [0.25, 0.75]])).tolist()  # X, updated
@@ -55,21 +56,18 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from topologies import TOL, Registry
+from topologies import TOL, Registry, validate
 
 from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
                            check_weight_decay)
 from ..base.seeding import derive_seed
-from ..mixers import Handle, Mixer
+from ..mixers import Handle, Mixer, is_schedule, is_sparse
 
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
     "StepSize",
-    "UnknownHyperparameter",
-    "algorithm_params",
     "cdsgd_update",
-    "make_algorithm",
     "momentum_update",
     "with_weight_decay",
 ]
@@ -78,9 +76,12 @@ __all__ = [
 # the functional core: element-wise, in place where it can be
 
 
-def with_weight_decay(G: torch.Tensor, X: torch.Tensor, weight_decay: float) -> torch.Tensor:
-    """g + λ·x (a new tensor; G itself is left alone). λ = 0 returns G."""
-    return G.add(X, alpha=weight_decay) if weight_decay else G
+def with_weight_decay(G: torch.Tensor, X: torch.Tensor, weight_decay: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """g + λ·x (a new tensor, or ``out``; G itself is left alone). λ = 0 returns G."""
+    if not weight_decay:
+        return G
+    return torch.add(G, X, alpha=weight_decay) if out is None else torch.add(G, X, alpha=weight_decay, out=out)
 
 
 #: the element-wise updates below run over blocks of this many bytes when their tensors are larger, so
@@ -213,22 +214,52 @@ class Algorithm:
     def check_mixing(self, W) -> None:
         """Refuse a mixing matrix the rule cannot converge with (ValueError naming why).
 
-        Default: a neighbour rule needs every row to sum to 1 (a doubly
-        stochastic W); a push-sum matrix (``mixing=push_sum``, columns only)
-        is for ``sgp``.
+        Default: a neighbour rule needs a doubly stochastic W (non-negative,
+        every row and column summing to 1); a push-sum matrix
+        (``mixing=push_sum``, columns only) is for ``sgp``. A schedule's steps
+        were checked when it was built. Runs wherever a rule meets a mixer
+        (:meth:`accept`), however the mixer was made.
         """
-        if self.traffic != "neighbours" or W is None or hasattr(W, "consensus_rate"):
+        if self.traffic != "neighbours" or W is None or is_schedule(W):
             return
-        sums = np.asarray((W if hasattr(W, "nnz") else np.asarray(W, dtype=np.float64)).sum(axis=1)).ravel()
+        sums = np.asarray((W if is_sparse(W) else np.asarray(W, dtype=np.float64)).sum(axis=1)).ravel()
         bad = np.flatnonzero(np.abs(sums - 1.0) > TOL)
         if len(bad):
             raise ValueError(f"algorithm {self.name!r} needs a doubly stochastic mixing matrix, but row {bad[0]} "
                              f"sums to {sums[bad[0]]:.6g}; a push-sum matrix (mixing=push_sum, columns summing "
                              "to 1) is for algorithm=sgp")
+        try:
+            validate(W, symmetric=False, connected=False)
+        except ValueError as e:
+            raise ValueError(f"algorithm {self.name!r} needs a doubly stochastic mixing matrix: {e}") from None
+
+    def accept(self, mixer: Mixer) -> None:
+        """Check once per mixer (and rule class) that this rule can mix with ``mixer``'s matrix.
+
+        :meth:`check_mixing` on ``mixer.matrix`` (a schedule step's whole
+        schedule), however the mixer was built (``validate=False`` included);
+        :meth:`update` and :meth:`start` call it, so a rule never runs with a
+        matrix it refuses. A mixer whose matrix is unknown (None) is taken on trust.
+        """
+        owner = getattr(mixer, "part_of", None) or mixer
+        seen = owner.__dict__.setdefault("_accepted_by", set())
+        if type(self) not in seen:
+            if getattr(owner, "matrix", None) is not None:
+                self.check_mixing(owner.matrix)
+            seen.add(type(self))
+
+    def _scratch(self, X: torch.Tensor, name: str) -> torch.Tensor:
+        """A buffer like X that this rule owns (a mixing's ``out=``): allocated once, reused every step."""
+        buffers = self.__dict__.setdefault("_buffers", {})
+        key = (name, tuple(X.shape), X.dtype, X.device)
+        if key not in buffers:
+            buffers[key] = torch.empty_like(X, memory_format=torch.contiguous_format)
+        return buffers[key]
 
     def start(self, X: torch.Tensor, state: dict, mixer: Mixer):
         """Post the exchanges of step k that need nothing but the pre-gradient state (``mixes_params``)."""
-        return mixer.start(X)
+        self.accept(mixer)
+        return mixer.start(X, out=self._scratch(X, "mixed"))
 
     def update(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer,
                mixed: Handle | torch.Tensor | None = None) -> torch.Tensor:
@@ -237,11 +268,11 @@ class Algorithm:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.step_size.lr}, schedule={self.step_size.schedule!r})"
 
-
-def _mixed(X: torch.Tensor, mixer: Mixer, mixed) -> torch.Tensor:
-    if mixed is None:
-        return mixer.mix(X)
-    return mixed.wait() if isinstance(mixed, Handle) else mixed
+    def _mixed(self, X: torch.Tensor, mixer: Mixer, mixed) -> torch.Tensor:
+        """Π X: from the handle :meth:`start` gave, else mixed now (into this rule's buffer)."""
+        if mixed is None:
+            return self.start(X, {}, mixer).wait()
+        return mixed.wait() if isinstance(mixed, Handle) else mixed
 
 
 def _direction(G: torch.Tensor, state: dict, momentum: float, nesterov: bool) -> torch.Tensor:
@@ -275,8 +306,9 @@ class CDSGDAlgorithm(Algorithm):
     name, traffic, mixes_params = "cdsgd", "neighbours", True
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
-        return cdsgd_update(_mixed(X, mixer, mixed), G, self.step_size(k), out=X)
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        return cdsgd_update(self._mixed(X, mixer, mixed), G, self.step_size(k), out=X)
 
 
 @ALGORITHMS.register("cdmsgd")
@@ -288,8 +320,9 @@ class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
         self._init_momentum(momentum, nesterov)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
-        return momentum_update(_mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        return momentum_update(self._mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
                                self.momentum, self.nesterov, out=X)
 
 
@@ -298,7 +331,9 @@ class SGDAlgorithm(Algorithm):
     name, traffic, same_init = "sgd", "allreduce", True
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = mixer.average(with_weight_decay(G, X, self.weight_decay))
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        G = mixer.average(G, out=self._scratch(X, "average"))
         return cdsgd_update(X, G, self.step_size(k), out=X)
 
 
@@ -311,7 +346,9 @@ class MSGDAlgorithm(_MomentumMixin, Algorithm):
         self._init_momentum(momentum, nesterov)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = mixer.average(with_weight_decay(G, X, self.weight_decay))
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        G = mixer.average(G, out=self._scratch(X, "average"))
         return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
 
 
@@ -348,14 +385,15 @@ class FedAvgAlgorithm(Algorithm):
         return self._round_mask[1]
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
+        self.accept(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         mask = self.participants(k)
         if mask is None:
             cdsgd_update(X, G, self.step_size(k), out=X)
         else:  # agents sitting the round out keep their parameters
             X.copy_(torch.where(_rows(mask[mixer.agents], X), X - self.step_size(k) * G, X))
         if (k + 1) % self.round_length == 0:
-            X.copy_(mixer.average(X, mask))
+            X.copy_(mixer.average(X, mask, out=self._scratch(X, "average")))
         return X
 
 
@@ -373,51 +411,7 @@ class LocalAlgorithm(_MomentumMixin, Algorithm):
         self._init_momentum(momentum, nesterov)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         if self.momentum:
             return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
         return cdsgd_update(X, G, self.step_size(k), out=X)
-
-
-def algorithm_params(name: str) -> list[str]:
-    """The hyperparameters ``make_algorithm(name, ...)`` accepts."""
-    import inspect
-
-    names = []
-    for klass in ALGORITHMS.get(name).__mro__[:-1]:  # all but object
-        if "__init__" in klass.__dict__:
-            params = inspect.signature(klass.__dict__["__init__"]).parameters.values()
-            names += [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.name not in names]
-    return names
-
-
-class UnknownHyperparameter(ValueError):
-    """:func:`make_algorithm` was given a hyperparameter ``name`` that algorithm ``algorithm`` does not take.
-
-    ``allowed`` lists the ones it takes, so that a caller with options of
-    its own (the executor) can name both in its message.
-    """
-
-    def __init__(self, algorithm: str, name: str, allowed: list[str]) -> None:
-        self.algorithm, self.name, self.allowed = algorithm, name, list(allowed)
-        super().__init__(f"algorithm {algorithm!r} takes no hyperparameter {name!r}; allowed: {', '.join(allowed)}")
-
-
-def make_algorithm(name: str, **hyper) -> Algorithm:
-    """The algorithm ``name`` with hyperparameters ``hyper``.
-
-    Common: ``lr`` (required), ``lr_schedule``, ``lr_tau``, ``lr_power``,
-    ``weight_decay``. ``cdmsgd``/``msgd``: ``momentum`` (0.95), ``nesterov``
-    (True). ``local``: ``momentum`` (0), ``nesterov``. ``fedavg``:
-    ``local_steps`` or ``local_epochs`` (1 epoch by default), ``fedavg_fraction``.
-    Unknown names are refused, naming the known ones; unknown
-    hyperparameters with :class:`UnknownHyperparameter`, naming the allowed ones.
-    """
-    klass = ALGORITHMS.get(name)
-    allowed = algorithm_params(name)
-    unknown = sorted(set(hyper) - set(allowed))
-    if unknown:
-        raise UnknownHyperparameter(name, unknown[0], allowed)
-    if "lr" not in hyper:
-        raise ValueError(f"algorithm {name!r} needs lr")
-    return klass(**hyper)

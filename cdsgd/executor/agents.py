@@ -32,15 +32,14 @@ import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..base.flat import ParamLayout
-from ..mixers import MatrixMixer, Mixer, ScheduleMixer, is_schedule, is_sparse
+from ..mixers import Mixer, make_mixer
 from .gradients import choose_strategy
 
-__all__ = ["Agents", "build_agents", "make_mixer", "seeded_model"]
+__all__ = ["Agents", "build_agents", "held_mixer", "seeded_model"]
 
 
 def seeded_model(seed: int, model_fn: Callable[[], nn.Module]) -> nn.Module:
@@ -104,35 +103,16 @@ def build_agents(model_fn: Callable[[], nn.Module], keys: Sequence[int], *, stra
     return Agents(models, layout, X, strategy, dev)
 
 
-def make_mixer(W, algorithm, n: int, agents: list[int], *, exact: bool) -> Mixer:
-    """The executor's Mixer for ``W``: a ready Mixer as given, else a MatrixMixer (or one per step of a schedule).
+def held_mixer(W, algorithm, n: int, agents: list[int], *, exact: bool) -> Mixer:
+    """The executor's Mixer: :func:`cdsgd.mixers.make_mixer` for ``n`` agents, checked to hold ``agents``.
 
-    Checks that it serves ``n`` agents and holds ``agents``, and that the
-    algorithm accepts the matrix (``check_mixing``: D²'s eigenvalue condition).
+    A matrix, a schedule or None serve only an executor holding every agent;
+    one holding a block needs a Mixer that reaches the others (the runtime's).
     """
     if not isinstance(W, Mixer) and len(agents) < n:
         raise ValueError(f"an executor holding agents {agents} of {n} needs a Mixer that reaches the "
                          "others (e.g. cdsgd.runtime.BlockMixer), not a matrix")
-    if isinstance(W, Mixer):
-        mixer = W
-    elif W is None:
-        if algorithm.traffic == "neighbours":
-            raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
-        mixer = MatrixMixer(None, n_agents=n, exact=exact)
-    elif is_schedule(W):
-        if W.n != n:
-            raise ValueError(f"schedule {W!r} is for {W.n} agents but there are {n} agents (shards)")
-        algorithm.check_mixing(W)
-        mixer = ScheduleMixer(W, lambda Wk: MatrixMixer(Wk, exact=exact, validate=False))
-    else:
-        W = W if is_sparse(W) else np.asarray(W, dtype=np.float64)
-        if W.shape != (n, n):
-            raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n} agents (shards)")
-        mixer = MatrixMixer(W, exact=exact, validate=not algorithm.column_stochastic)  # validate's own messages first
-        algorithm.check_mixing(W)  # then the rule's (sgp validates its column-stochastic P here)
-    if mixer.n_agents != n:
-        raise ValueError(f"mixer is for {mixer.n_agents} agents but there are {n} shards")
-    if list(getattr(mixer, "agents", range(n))) != agents:
+    mixer = make_mixer(W, algorithm=algorithm, n_agents=n, exact=exact)
+    if list(mixer.agents) != agents:
         raise ValueError(f"mixer holds agents {list(mixer.agents)} but this executor holds {agents}")
     return mixer
-

@@ -62,12 +62,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..algorithms import Algorithm, make_algorithm
-from ..algorithms.rules import UnknownHyperparameter
+from ..algorithms.factory import UnknownHyperparameter
 from ..base.checks import check_int
 from ..base.seeding import derive_seed, generator
 from . import evaluation
 from . import state as checkpoint_state
-from .agents import build_agents, make_mixer
+from .agents import build_agents, held_mixer
 from .gradients import STRATEGIES, make_strategy
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream
@@ -185,7 +185,7 @@ class Executor:
         self.algorithm = algorithm = _make_algorithm(algorithm, hyper)
 
         # --- the mixer
-        self.mixer = make_mixer(W, algorithm, n, self.agents, exact=exact)
+        self.mixer = held_mixer(W, algorithm, n, self.agents, exact=exact)
 
         # --- models and the L×P parameter stack of the L agents held here
         # init="same": every agent's module is built under one seed (identical copies);

@@ -7,7 +7,8 @@
 - :mod:`.exchange`: :class:`BlockMixer` (Σ_l π_jl x_l for the block of
   agents a rank holds, :func:`agent_block`, exchanging only the rows of the
   cut edges with the neighbouring ranks; :class:`NeighbourMixer` is its
-  one-agent form), :class:`DistReducer` (evaluation's reductions) and
+  one-agent form);
+- :mod:`.reduce`: :class:`DistReducer` (evaluation's reductions) and
   :func:`check_agreement`.
 
 Communication primitives (:class:`CommError`, waits with a timeout, posting
@@ -16,7 +17,8 @@ shared with the MGRIT time chain; ``CommError`` is re-exported here.
 """
 
 from ..base.comm import CommError
-from .exchange import BlockMixer, DistReducer, NeighbourMixer, agent_block, check_agreement
+from .exchange import BlockMixer, NeighbourMixer, agent_block
+from .reduce import DistReducer, check_agreement
 from .group import DistGroup, Failure, Group, LocalGroup, Terminated, describe, join
 
 __all__ = [

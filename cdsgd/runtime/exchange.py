@@ -18,7 +18,7 @@ of a step is what keeps a neighbour exchange free of deadlocks) and adds
 the halo's contributions after the wait. CDSGD/CDMSGD steps issue no
 collective at all. Centralized SGD and FedAvg all-reduce, as their
 definitions require; evaluation gathers per-agent figures and the average
-model (:class:`DistReducer`), counted apart from training traffic.
+model (:class:`cdsgd.runtime.reduce.DistReducer`), counted apart from training traffic.
 :class:`NeighbourMixer` is the one-agent form, for a user's own loop.
 
 The executor is the simulator's (``Executor(..., agents=block)``) with this
@@ -42,10 +42,7 @@ Example, inside a process group (e.g. under torchrun)::
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from typing import Callable
 
 import numpy as np
 import scipy.sparse as sp
@@ -54,12 +51,11 @@ import torch.distributed as dist
 
 import topologies
 
-from ..base.comm import exchange, global_rank, wait
-from ..executor.reducer import Reducer
+from ..base.comm import exchange, wait
 from ..mixers import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
-                      ordered_weighted_sum)
+                      ordered_weighted_sum, result_tensor)
 
-__all__ = ["BlockMixer", "DistReducer", "NeighbourMixer", "agent_block", "agents_per_process", "check_agreement"]
+__all__ = ["BlockMixer", "NeighbourMixer", "agent_block", "agents_per_process"]
 
 
 def agents_per_process(n_agents: int, processes: int) -> int:
@@ -111,9 +107,10 @@ def agent_block(n_agents: int, world: int, rank: int) -> list[int]:
 
 
 class _BlockHandle(Handle):
-    def __init__(self, mixer: "BlockMixer", works, peers, X2, halo, out, shape) -> None:
+    def __init__(self, mixer: "BlockMixer", works, peers, X2, halo, out, shape, lent) -> None:
         self.mixer, self.works, self.peers = mixer, works, peers
         self.X2, self.halo, self.out, self.shape = X2, halo, out, shape
+        self.lent = lent  # the pool buffers (halo, send copies) this exchange holds until it completes
         self._done = False
 
     def wait(self) -> torch.Tensor:
@@ -129,6 +126,8 @@ class _BlockHandle(Handle):
             elif m.halo_agents:
                 torch.addmm(self.out, m._remote(self.X2), self.halo, out=self.out)
             self._done = True
+            m._give_back(self.lent)
+            self.lent = []
         return self.out.view(self.shape)
 
 
@@ -153,14 +152,21 @@ class BlockMixer(Mixer):
             exact mode: bit-identical results).
         validate: check W with :func:`topologies.validate`.
 
-    ``start(X)`` takes the block's L×P stack (any trailing shape; a P-vector
-    when L = 1), posts one send and one receive per neighbouring rank (the
-    rows that rank needs, the rows this block needs) and, in the fast mode,
-    computes the in-block part W_bb X_b meanwhile; ``wait()`` completes the
-    exchange and adds W_bh H (H: the received halo rows). Buffers are
-    allocated once per shape and reused: a result is valid until the next
-    ``start``; X must not change until ``wait``. After a :class:`CommError`
+    ``start(X, out=None)`` takes the block's L×P stack (any trailing shape;
+    a P-vector when L = 1), posts one send and one receive per neighbouring
+    rank (the rows that rank needs, the rows this block needs) and, in the
+    fast mode, computes the in-block part W_bb X_b meanwhile; ``wait()``
+    completes the exchange, adds W_bh H (H: the received halo rows) and
+    returns the result: a new tensor, or ``out`` (see :mod:`cdsgd.mixers`).
+    X must not change until ``wait``. The halo and send buffers come from a
+    pool: each exchange in flight holds its own and gives them back when it
+    completes, so any number may be in flight and the steady state
+    allocates nothing (with ``out`` given). After a :class:`CommError`
     the process group is not usable any more: stop, do not retry.
+
+    ``W=None`` (with ``n_agents``) is Π = 11ᵀ/N: ``average`` all-reduces
+    (the centralized baselines' only exchange) and ``start`` is the same
+    all-reduced mean.
 
     Traffic: ``bytes_sent`` counts, per held agent, what it would send over
     its graph edges (degree·P·size per mixing, as the simulator counts);
@@ -170,18 +176,32 @@ class BlockMixer(Mixer):
     """
 
     def __init__(self, W, rank: int, world: int, *, group=None, timeout: float = 120.0, exact: bool = False,
-                 validate: bool = True) -> None:
-        W = topologies.validate(W) if validate else (W if is_sparse(W) else np.asarray(W, dtype=np.float64))
+                 validate: bool = True, n_agents: int | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"comm_timeout must be > 0 seconds, got {timeout!r}")
+        self.timeout, self.exact = float(timeout), bool(exact)
+        self.rank, self.world, self.group = int(rank), int(world), group
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._pool: dict[tuple, list[torch.Tensor]] = {}
+        self.bytes_across = 0.0
+        if W is None:  # Π = 11ᵀ/N: all-reduce only
+            if n_agents is None:
+                raise ValueError(f"{type(self).__name__}(None) stands for Π = 11ᵀ/N and needs n_agents")
+            self.n_agents, self.matrix = int(n_agents), None
+            self.agents = agent_block(self.n_agents, world, rank)
+            self._check_place()
+            self.degrees = torch.full((len(self.agents),), float(self.n_agents - 1), dtype=torch.float64)
+            self.bytes_sent = torch.zeros(len(self.agents), dtype=torch.float64)
+            self.neighbours, self.halo_agents = [], []
+            return
+        W = topologies.validate(W) if validate else (W if is_sparse(W) else np.asarray(W, dtype=np.float64))
         self.n_agents = n = W.shape[0]
         self.agents = agent_block(n, world, rank)
-        self.rank, self.world, self.group = int(rank), int(world), group
         self._check_place()
-        self.timeout, self.exact = float(timeout), bool(exact)
         per, lo = len(self.agents), self.agents[0]
         S = (W.tocsr() if is_sparse(W) else sp.csr_array(W)).astype(np.float64)
         S.sort_indices()
+        self.matrix = S  # the whole W (what update rules check: Algorithm.check_mixing)
 
         rows = [neighbourhood(S, j) for j in self.agents]
         held = range(lo, lo + per)
@@ -214,8 +234,6 @@ class BlockMixer(Mixer):
         self._local = MatrixMixer(S[lo:lo + per][:, lo:lo + per], validate=False)
         self._halo_w = S[lo:lo + per][:, self.halo_agents] if self.halo_agents else None
         self.bytes_sent = torch.zeros(per, dtype=torch.float64)
-        self.bytes_across = 0.0
-        self._buffers: dict[tuple, torch.Tensor] = {}
 
     def _check_place(self) -> None:
         """Refuse a rank or size that is not this process's place in ``group`` (peers are its ranks)."""
@@ -246,11 +264,17 @@ class BlockMixer(Mixer):
             raise ValueError(f"{type(self).__name__} needs a contiguous parameter stack")
         return X.reshape(per, -1)
 
-    def _buffer(self, X2: torch.Tensor, purpose, rows: int) -> torch.Tensor:
-        key = (purpose, rows, X2.shape[1], X2.dtype, X2.device)
-        if key not in self._buffers:
-            self._buffers[key] = X2.new_empty((rows, X2.shape[1]))
-        return self._buffers[key]
+    def _lend(self, X2: torch.Tensor, rows: int, lent: list) -> torch.Tensor:
+        """A rows×P buffer from the pool, held by one exchange in flight (added to ``lent``) until it completes."""
+        key = (rows, X2.shape[1], X2.dtype, X2.device)
+        free = self._pool.setdefault(key, [])
+        buf = free.pop() if free else X2.new_empty((rows, X2.shape[1]))
+        lent.append((key, buf))
+        return buf
+
+    def _give_back(self, lent: list) -> None:
+        for key, buf in lent:
+            self._pool[key].append(buf)
 
     def _remote(self, X2: torch.Tensor) -> torch.Tensor:
         """W_bh, the weights of the halo rows (dense when dense enough, else sparse CSR)."""
@@ -267,7 +291,7 @@ class BlockMixer(Mixer):
             self._buffers[key] = t
         return self._buffers[key]
 
-    def _outgoing(self, X2: torch.Tensor, q: int, slot: str) -> torch.Tensor:
+    def _outgoing(self, X2: torch.Tensor, q: int, lent: list) -> torch.Tensor:
         """The held rows rank q needs, as one contiguous tensor (a view when they are consecutive)."""
         idx = self._send[q]
         if idx[-1] - idx[0] + 1 == len(idx):
@@ -275,28 +299,33 @@ class BlockMixer(Mixer):
         key = ("send-index", q, X2.device)
         if key not in self._buffers:
             self._buffers[key] = torch.as_tensor(idx, device=X2.device)
-        return torch.index_select(X2, 0, self._buffers[key], out=self._buffer(X2, ("send", q, slot), len(idx)))
+        return torch.index_select(X2, 0, self._buffers[key], out=self._lend(X2, len(idx), lent))
 
     # ------------------------------------------------------------ mixing
 
-    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
+    def start(self, X: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
         X2 = self._flat(X)
-        halo = self._buffer(X2, ("halo", slot), len(self.halo_agents))
-        out = self._buffer(X2, ("mix", slot), X2.shape[0])
-        ops = [("send", self._outgoing(X2, q, slot), q) for q in self.neighbours if q in self._send]
+        out = result_tensor(X, out)
+        if self.matrix is None:  # Π = 11ᵀ/N
+            return Handle(self.average(X, out=out))
+        out2, lent = out.view(X2.shape), []
+        halo = self._lend(X2, len(self.halo_agents), lent)
+        ops = [("send", self._outgoing(X2, q, lent), q) for q in self.neighbours if q in self._send]
         ops += [("recv", halo[a:b], q) for q, (a, b) in sorted(self._recv.items())]
         peers = [(kind, q) for kind, _, q in ops]
         works = exchange(ops, group=self.group,
                          what=f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours}")
         if not self.exact:  # the in-block part while the halo travels
-            self._local.product(X2, out)
+            self._local.product(X2, out2)
         row_bytes = X2.shape[1] * X2.element_size()
         self.bytes_sent += self.degrees * row_bytes
         self.bytes_across += self._rows_out * row_bytes
-        return _BlockHandle(self, works, peers, X2, halo, out, X.shape)
+        return _BlockHandle(self, works, peers, X2, halo, out2, X.shape, lent)
 
-    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         X2 = self._flat(X)
+        out = result_tensor(X, out, "average")
         lo, per = self.agents[0], len(self.agents)
         if mask is None:
             part, count = X2.sum(dim=0), self.n_agents
@@ -308,8 +337,8 @@ class BlockMixer(Mixer):
         P, size = X2.shape[1], X2.element_size()
         self.bytes_sent += allreduce_bytes(self.n_agents, P, size)
         self.bytes_across += allreduce_bytes(self.world, P, size)
-        out = self._buffer(X2, "average", per)
-        return out.copy_(part.div_(count).expand_as(out)).view(X.shape)
+        out.view(X2.shape).copy_(part.div_(count).expand_as(X2))
+        return out
 
 
 class NeighbourMixer(BlockMixer):
@@ -332,109 +361,3 @@ class NeighbourMixer(BlockMixer):
         if not 0 <= rank < n:
             raise ValueError(f"rank {rank} is outside the {n} agents of the mixing matrix")
         super().__init__(W, rank, n, group=group, timeout=timeout, exact=exact, validate=validate)
-
-
-class DistReducer(Reducer):
-    """Evaluation's reductions across ranks (all-reduce, all-gather, an ordered chain); counts its own bytes."""
-
-    def __init__(self, *, group=None, device: torch.device | str = "cpu", timeout: float = 120.0) -> None:
-        self.group, self.device, self.timeout = group, torch.device(device), float(timeout)
-        self.bytes = 0.0
-
-    def _wait(self, work, what: str, peer: int | None = None) -> None:
-        wait(work, self.timeout, f"rank {dist.get_rank(self.group)}: {what}", peer)
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        buf = t.detach().to(self.device, copy=True)
-        self._wait(dist.all_reduce(buf, group=self.group, async_op=True), "evaluation all-reduce")
-        n = dist.get_world_size(self.group)
-        self.bytes += allreduce_bytes(n, buf.numel(), buf.element_size())
-        return buf.to(t.device)
-
-    def agent_values(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's L×k block of per-agent figures, stacked in rank (= agent) order (an all-gather)."""
-        mine = local.detach().to(self.device).contiguous()
-        n = dist.get_world_size(self.group)
-        blocks = [torch.empty_like(mine) for _ in range(n)]
-        self._wait(dist.all_gather(blocks, mine, group=self.group, async_op=True), "gathering per-agent figures")
-        self.bytes += (n - 1) * mine.numel() * mine.element_size()
-        return torch.cat(blocks).to(local.device)
-
-    def sum_in_order(self, acc: torch.Tensor, add: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        """A chain through the ranks: rank r receives the running sum from r − 1, adds its agents
-        (``add(acc)``, in place), passes it on; the last rank's total goes to every rank.
-
-        The additions happen in agent order whatever the layout, so the result is
-        the one the simulator gets by adding its rows one by one (exact mode).
-        """
-        rank, n = dist.get_rank(self.group), dist.get_world_size(self.group)
-        buf = acc.to(self.device)
-        if rank > 0:
-            works = exchange([("recv", buf, rank - 1)], group=self.group, what="the ordered evaluation sum")
-            self._wait(works[0], f"receiving the running sum from rank {rank - 1}", rank - 1)
-        add(buf)
-        if rank < n - 1:
-            works = exchange([("send", buf, rank + 1)], group=self.group, what="the ordered evaluation sum")
-            self._wait(works[0], f"sending the running sum to rank {rank + 1}", rank + 1)
-            self.bytes += buf.numel() * buf.element_size()
-        last = global_rank(self.group, n - 1)
-        self._wait(dist.broadcast(buf, src=last, group=self.group, async_op=True), "broadcasting the ordered sum")
-        if rank == n - 1:
-            self.bytes += (n - 1) * buf.numel() * buf.element_size()
-        return buf.to(acc.device)
-
-    def barrier(self, what: str) -> None:
-        """Every rank reached this point (a 1-element all-reduce with the timeout; not counted as traffic)."""
-        self._wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.group, async_op=True), what)
-
-    def gather(self, X: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's L×P block, stacked in rank (= agent) order on rank 0; None on the others."""
-        block = X.reshape(X.shape[0], -1).contiguous().to(self.device)
-        rank, n = dist.get_rank(self.group), dist.get_world_size(self.group)
-        blocks = [torch.empty_like(block) for _ in range(n)] if rank == 0 else None
-        first = global_rank(self.group, 0)
-        self._wait(dist.gather(block, blocks, dst=first, group=self.group, async_op=True), "gathering parameters")
-        if rank != 0:
-            self.bytes += block.numel() * block.element_size()
-            return None
-        return torch.cat(blocks).to(X.device)
-
-
-def _digest(obj) -> str:
-    if is_sparse(obj):  # a sparse matrix: its shape and canonical CSR arrays
-        S = obj.tocsr().astype(np.float64)
-        S.sum_duplicates()
-        S.sort_indices()
-        data = b"".join(np.ascontiguousarray(a).tobytes()
-                        for a in (np.asarray(S.shape, dtype=np.int64), S.indptr.astype(np.int64),
-                                  S.indices.astype(np.int64), S.data))
-    elif isinstance(obj, np.ndarray):
-        data = np.ascontiguousarray(obj, dtype=np.float64).tobytes()
-    else:
-        data = json.dumps(obj, sort_keys=True, default=str).encode()
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def check_agreement(facts: dict, *, group=None) -> None:
-    """Check once, at setup, that every rank holds the same facts; else name who differs.
-
-    ``facts`` maps a name to a value (numpy arrays and JSON-able values are
-    compared by digest), e.g. ``{"mixing matrix": W, "n_agents": 5,
-    "parameter count": P, "config": cfg_dict}``. Raises ValueError on every
-    rank, naming the ranks on each side and what differs.
-    """
-    mine = {k: _digest(v) for k, v in facts.items()}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    problems = []
-    for key in facts:
-        by_value: dict[str, list[int]] = {}
-        for r, d in enumerate(everyone):
-            by_value.setdefault(d.get(key, "<missing>"), []).append(r)
-        if len(by_value) > 1:
-            groups = sorted(by_value.items(), key=lambda kv: kv[1][0])
-            desc = "; ".join(f"ranks {ranks} have {digest}" for digest, ranks in groups)
-            problems.append(f"{key} differs: {desc}")
-    if problems:
-        raise ValueError("ranks disagree at start: " + " | ".join(problems))
-

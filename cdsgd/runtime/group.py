@@ -40,7 +40,7 @@ import torch
 
 from ..base.comm import CommError
 from ..executor.reducer import Reducer
-from ..mixers import MatrixMixer, Mixer, ScheduleMixer, is_schedule
+from ..mixers import Mixer, make_mixer
 
 __all__ = ["DistGroup", "Failure", "Group", "LocalGroup", "Terminated", "describe", "join"]
 
@@ -99,7 +99,9 @@ class Group:
     def check(self, facts: dict) -> None:
         raise NotImplementedError
 
-    def mixer(self, W, *, exact: bool) -> Mixer:
+    def mixer(self, W, *, exact: bool, n_agents: int) -> Mixer:
+        """The mixer of this process's agents for W (a matrix, a Schedule, or None: all-reduce):
+        :func:`cdsgd.mixers.make_mixer`."""
         raise NotImplementedError
 
     def reducer(self, device: torch.device) -> Reducer:
@@ -127,11 +129,8 @@ class LocalGroup(Group):
     def check(self, facts: dict) -> None:
         pass
 
-    def mixer(self, W, *, exact: bool) -> Mixer:
-        def make(Wk):
-            return MatrixMixer(Wk, exact=exact, validate=False)  # W comes validated from the plan
-
-        return ScheduleMixer(W, make) if is_schedule(W) else make(W)
+    def mixer(self, W, *, exact: bool, n_agents: int) -> Mixer:
+        return make_mixer(W, n_agents=n_agents, exact=exact)
 
     def reducer(self, device: torch.device) -> Reducer:
         return Reducer()
@@ -244,7 +243,7 @@ class DistGroup(Group):
         return value
 
     def check(self, facts: dict) -> None:
-        from .exchange import check_agreement
+        from .reduce import check_agreement
 
         check_agreement(facts)
 
@@ -254,16 +253,17 @@ class DistGroup(Group):
 
         return agent_block(self.n_agents, self.world, self.rank)
 
-    def mixer(self, W, *, exact: bool) -> Mixer:
+    def mixer(self, W, *, exact: bool, n_agents: int) -> Mixer:
         from .exchange import BlockMixer
 
-        def make(Wk):
-            return BlockMixer(Wk, self.rank, self.world, timeout=self.timeout, exact=exact, validate=False)
+        def block(Wk, *, exact: bool, validate: bool, n_agents: int | None = None) -> Mixer:
+            return BlockMixer(Wk, self.rank, self.world, timeout=self.timeout, exact=exact, validate=validate,
+                              n_agents=n_agents)
 
-        return ScheduleMixer(W, make) if is_schedule(W) else make(W)
+        return make_mixer(W, n_agents=n_agents, exact=exact, per_matrix=block)
 
     def reducer(self, device: torch.device) -> Reducer:
-        from .exchange import DistReducer
+        from .reduce import DistReducer
 
         return DistReducer(device=self.device, timeout=self.timeout)
 

@@ -1,167 +1,17 @@
-r"""Mixers: how an update rule averages with other agents.
-
-The update rules in :mod:`cdsgd.algorithms` never know who their neighbours
-are or whether the agents live in one process. They receive a :class:`Mixer`
-and call two operations on it:
-
-``start(X).wait()`` (or ``mix(X)``)
-    Π X: each agent's weighted sum Σ_l π_jl x_l of its neighbours' rows
-    (used by CDSGD/CDMSGD on parameters).
-``average(X, mask=None)``
-    the mean over all (or the masked, participating) agents, given back to
-    every agent: 11ᵀX/N (centralized SGD on gradients, FedAvg on parameters).
-
-In the simulator X is the N×P stack of all agents' flat parameters and the
-mixer is a :class:`MatrixMixer`; in the distributed runtime X is one rank's
-P-vector and the mixer exchanges it with the neighbours. ``start`` returns a
-:class:`Handle` so an executor can post the exchange before the backward pass
-and wait for it afterwards (the mixing of x_j and the gradient at x_j are
-independent).
-
-Every mixer counts what each agent would send (``bytes_sent``, one entry per
-agent it represents): degree_j·P·(element size) per mixing step, and
-2(N−1)/N·P·(element size) per all-average (a ring all-reduce's volume).
-
-Example::
-
-    >>> import torch, topologies
-    >>> W = topologies.mixing_matrix(topologies.build("ring", 4))
-    >>> m = MatrixMixer(W)
-    >>> X = torch.arange(4.0, dtype=torch.float64).unsqueeze(1)   # agent j holds x_j = j
-    >>> [round(v, 4) for v in m.mix(X).squeeze(1).tolist()]
-    [1.3333, 1.0, 2.0, 1.6667]
-    >>> m.bytes_sent.tolist()   # degree 2 × 1 element × 8 bytes
-    [16.0, 16.0, 16.0, 16.0]
-"""
+"""The in-process mixer: Π X for the N×P stack of all agents (:class:`MatrixMixer`)."""
 
 from __future__ import annotations
 
-import abc
 import warnings
-from typing import Sequence
 
 import numpy as np
 import torch
 
 import topologies
 
-from .base.compat import renamed_attribute
+from .base import Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_weighted_sum, result_tensor
 
-__all__ = [
-    "Handle",
-    "Mixer",
-    "MatrixMixer",
-    "ScheduleMixer",
-    "allreduce_bytes",
-    "is_schedule",
-    "is_sparse",
-    "neighbourhood",
-    "ordered_weighted_sum",
-]
-
-
-class Handle:
-    """A mixing in flight; :meth:`wait` returns Σ_l π_jl x_l."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self._result = result
-
-    def wait(self) -> torch.Tensor:
-        return self._result
-
-
-def allreduce_bytes(n_agents: int, numel: int, element_size: int) -> float:
-    """Bytes one agent sends in a ring all-reduce of ``numel`` elements: 2(N−1)/N·P·size."""
-    return 2.0 * (n_agents - 1) / n_agents * numel * element_size if n_agents > 1 else 0.0
-
-
-def ordered_weighted_sum(weights: Sequence[float], tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``out = Σ_k w_k · t_k`` as explicit multiply-adds in the given order.
-
-    The exact mode of both executors computes the mixing with this one
-    function (self first, then neighbours in ascending rank), so that the
-    simulator and the runtime round identically.
-    """
-    torch.mul(tensors[0], weights[0], out=out)
-    for w, t in zip(weights[1:], tensors[1:]):
-        out.add_(t, alpha=w)
-    return out
-
-
-def is_sparse(W) -> bool:
-    """True for a ``scipy.sparse`` matrix (what ``topologies.mixing_matrix(..., sparse=True)`` returns)."""
-    return hasattr(W, "tocsr") and hasattr(W, "nnz")
-
-
-def is_schedule(W) -> bool:
-    """True for a time-varying :class:`topologies.Schedule` (what ``topologies.schedule(...)`` returns)."""
-    return isinstance(W, topologies.Schedule)
-
-
-def neighbourhood(W, j: int) -> tuple[list[float], list[int]]:
-    """Row j of Π as (weights, sources): agent j itself first, then its neighbours ascending.
-
-    The one definition of "who agent j averages with, and how much" that
-    both the in-process mixer and the runtime's neighbour exchange use (and
-    the order in which the exact mode adds them up). ``W`` is dense (array
-    or nested lists) or a ``scipy.sparse`` matrix (then O(degree)).
-
-    >>> neighbourhood([[0.5, 0.5, 0.0], [0.5, 0.25, 0.25], [0.0, 0.25, 0.75]], 1)
-    ([0.25, 0.5, 0.25], [1, 0, 2])
-    """
-    if is_sparse(W):
-        S = W if getattr(W, "format", None) == "csr" else W.tocsr()
-        lo, hi = S.indptr[j], S.indptr[j + 1]
-        cols, vals = S.indices[lo:hi], S.data[lo:hi]
-        keep = vals != 0
-        found = dict(zip(cols[keep].tolist(), vals[keep].tolist()))
-        src = [j] + sorted(c for c in found if c != j)
-        return [float(found.get(c, 0.0)) for c in src], src
-    row = np.asarray(W, dtype=np.float64)[j]
-    src = [j] + [int(l) for l in np.flatnonzero(row) if l != j]
-    return [float(row[l]) for l in src], src
-
-
-class Mixer(abc.ABC):
-    """Base class: ``start``/``mix`` apply Π, ``average`` applies 11ᵀ/N.
-
-    Results may live in buffers the mixer reuses: they are valid until the
-    mixer's next call of the same kind (executors consume them at once).
-    """
-
-    #: number of agents in the whole system
-    n_agents: int
-    #: bytes each agent represented here has sent so far (float64 tensor, one entry per row)
-    bytes_sent: torch.Tensor
-    #: bytes this process has sent to other processes (0 for a mixer that keeps every agent in-process)
-    bytes_across: float = 0.0
-    #: the agents (global indices) whose rows the stacks handed to this mixer hold
-    agents: list[int]
-
-    rows = renamed_attribute()  # the old name of agents (cdsgd.base.compat)
-
-    @abc.abstractmethod
-    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
-        """Begin computing Π X; the handle's ``wait()`` returns it.
-
-        ``slot`` names the buffers the result lives in: mixings of different
-        slots may be in flight (or held) at once, e.g. parameters and a
-        gradient tracker in the same step; a result is valid until the next
-        ``start`` of the same slot. Every process must start its slots in
-        the same order (messages to one peer pair up in order).
-        """
-
-    def mix(self, X: torch.Tensor, slot: str = "params") -> torch.Tensor:
-        """Π X (blocking): ``start(X, slot).wait()``."""
-        return self.start(X, slot).wait()
-
-    @abc.abstractmethod
-    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean of the (masked) agents' X, returned to every agent."""
-
-    def at(self, k: int) -> "Mixer":
-        """The mixer of step k (a time-varying :class:`ScheduleMixer` has one per step of its period)."""
-        return self
+__all__ = ["BLOCK_BYTES", "DENSE_FRACTION", "MatrixMixer", "PAD_LIMIT"]
 
 
 def _numel_per_agent(X: torch.Tensor) -> int:
@@ -189,8 +39,9 @@ class MatrixMixer(Mixer):
         exact: compute each row as :func:`ordered_weighted_sum` over the
             agent itself and then its neighbours in ascending order, instead
             of the fast product: slower, but rounds exactly as the runtime.
-        validate: check W (turn off only for matrices that are not meant to be
-            doubly stochastic, e.g. in tests, or that were validated already).
+        validate: check W here (off for a matrix validated already, or a
+            push-sum P; an update rule still checks the matrix of the mixer it
+            is given, see ``Algorithm.check_mixing``).
         method: how the fast product is computed: ``"auto"`` (below), or one of
             ``"dense"``, ``"edges"``, ``"csr"`` (for measurements).
 
@@ -204,15 +55,20 @@ class MatrixMixer(Mixer):
     degree (with weight 0 on the agent itself), so irregular graphs whose
     largest degree exceeds :data:`PAD_LIMIT` times the mean (a star) use
     ``csr``: torch's sparse CSR product. No N×N array is built on these paths:
-    setup is O(N·d). All reuse preallocated outputs (no allocation per step).
+    setup is O(N·d). With ``out=`` given a step allocates nothing (the
+    scratch of the edge-wise product is kept).
     """
 
     def __init__(self, W, *, exact: bool = False, validate: bool = True, method: str = "auto",
                  n_agents: int | None = None) -> None:
+        if is_schedule(W):
+            raise ValueError(f"MatrixMixer takes one N×N matrix, got the time-varying schedule {W!r}: use "
+                             "cdsgd.make_mixer(schedule), which gives a ScheduleMixer (W_k at step k)")
         if W is None:
             if n_agents is None or n_agents < 1:
                 raise ValueError(f"MatrixMixer(None) stands for Π = 11ᵀ/N and needs n_agents >= 1, got {n_agents!r}")
             self.n_agents, self._csr, self._dense64 = int(n_agents), None, None
+            self.matrix = None
             self.degrees = torch.full((self.n_agents,), float(self.n_agents - 1), dtype=torch.float64)
         else:
             if is_sparse(W):
@@ -227,6 +83,7 @@ class MatrixMixer(Mixer):
                 S, self._dense64 = sp.csr_array(D), D
             S.sort_indices()
             self._csr = S
+            self.matrix = S if self._dense64 is None else self._dense64
             self.n_agents = S.shape[0]
             nnz_rows = np.diff(S.indptr)
             has_self = S.diagonal() != 0
@@ -308,7 +165,7 @@ class MatrixMixer(Mixer):
         return self._tensors[key]
 
     def _buffer(self, X: torch.Tensor, purpose: str, shape=None) -> torch.Tensor:
-        """A preallocated output like X (reused: valid until the next call)."""
+        """A preallocated scratch tensor (internal: consumed within the call that asks for it)."""
         shape = tuple(X.shape) if shape is None else tuple(shape)
         key = (purpose, shape, X.dtype, X.device)
         buf = self._buffers.get(key)
@@ -354,10 +211,10 @@ class MatrixMixer(Mixer):
             torch.mm(self._sparse(X2), X2, out=out2)
         return out2
 
-    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
+    def start(self, X: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
         self._check(X)
+        out = result_tensor(X, out)
         self.bytes_sent += self.degrees * (_numel_per_agent(X) * X.element_size())
-        out = self._buffer(X, ("mix", slot))
         if self.exact:
             for j, (weights, src) in enumerate(self._rows):
                 ordered_weighted_sum(weights, [X[l] for l in src], out[j])
@@ -365,53 +222,13 @@ class MatrixMixer(Mixer):
             self.product(X.reshape(self.n_agents, -1), out.view(self.n_agents, -1))
         return Handle(out)
 
-    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(X)
+        out = result_tensor(X, out, "average")
         self.bytes_sent += allreduce_bytes(self.n_agents, _numel_per_agent(X), X.element_size())
-        mean = X.mean(dim=0, keepdim=True) if mask is None else X[mask.to(torch.bool)].mean(dim=0, keepdim=True)
-        return self._buffer(X, "average").copy_(mean.expand_as(X))
-
-
-class ScheduleMixer(Mixer):
-    """Π_k X for a time-varying :class:`topologies.Schedule`: one mixer per step of its period.
-
-    ``at(k)`` is the mixer of W_{k mod T}, built on first use by ``make(W_k)``
-    (a :class:`MatrixMixer` in the simulator, the runtime's ``BlockMixer``
-    across processes, which then exchanges with that step's peers only).
-    The phases share one ``bytes_sent`` counter; ``average`` needs no W and
-    uses the first. Executors and :class:`~cdsgd.algorithms.DecentralizedOptimizer`
-    call ``at(k)``; ``start`` without a step is refused.
-    """
-
-    def __init__(self, schedule, make) -> None:
-        self.schedule, self._make = schedule, make
-        self._phases: dict[int, Mixer] = {}
-        first = self.at(0)
-        self.n_agents, self.agents = first.n_agents, list(first.agents)
-        self.bytes_sent = first.bytes_sent
-
-    def at(self, k: int) -> Mixer:
-        k = int(k) % len(self.schedule)
-        if k not in self._phases:
-            mixer = self._make(self.schedule[k])
-            if self._phases:
-                mixer.bytes_sent = self.bytes_sent  # one counter for every step of the period
-            self._phases[k] = mixer
-        return self._phases[k]
-
-    @property
-    def bytes_across(self) -> float:
-        """What this process sent to other processes, over every step of the period."""
-        return float(sum(m.bytes_across for m in self._phases.values()))
-
-    @bytes_across.setter
-    def bytes_across(self, value: float) -> None:
-        for k, m in self._phases.items():
-            m.bytes_across = float(value) if k == 0 else 0.0
-
-    def start(self, X: torch.Tensor, slot: str = "params") -> Handle:
-        raise ValueError(f"a time-varying schedule ({self.schedule!r}) mixes with W_k: call mixer.at(k).start(X)")
-
-    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.at(0).average(X, mask)
-
+        if mask is None:
+            mean = torch.mean(X, dim=0, keepdim=True, out=self._buffer(X, "mean", (1, *X.shape[1:])))
+        else:
+            mean = X[mask.to(torch.bool)].mean(dim=0, keepdim=True)
+        return out.copy_(mean.expand_as(X))

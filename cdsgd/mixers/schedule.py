@@ -1,0 +1,144 @@
+"""Time-varying mixing (:class:`ScheduleMixer`) and the one way from a matrix to a mixer (:func:`make_mixer`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import topologies
+
+from .base import Handle, Mixer, check_mixer, is_schedule, is_sparse
+from .matrix import MatrixMixer
+
+__all__ = ["ScheduleMixer", "make_mixer"]
+
+
+class ScheduleMixer(Mixer):
+    """Π_k X for a time-varying :class:`topologies.Schedule`: one mixer per step of its period.
+
+    ``at(k)`` is the mixer of W_{k mod T}, built on first use by ``make(W_k)``
+    (a :class:`MatrixMixer` in the simulator, the runtime's ``BlockMixer``
+    across processes, which then exchanges with that step's peers only).
+    Executors and :class:`~cdsgd.algorithms.DecentralizedOptimizer` call
+    ``at(k)`` with their step counter. ``start``/``mix`` without a step apply
+    W_0, W_1, … in turn (the t-th call applies W_{t mod T}), so
+    ``x = m.mix(x)`` k times computes W_{k−1} ⋯ W_1 W_0 x. The phases share
+    one ``bytes_sent`` counter; ``average`` needs no W and uses the first.
+
+    >>> import torch, topologies
+    >>> from cdsgd.mixers import MatrixMixer
+    >>> m = ScheduleMixer(topologies.schedule("one_peer_exponential", 4), MatrixMixer)
+    >>> x = torch.arange(4.0).unsqueeze(1)
+    >>> for _ in range(2):
+    ...     x = m.mix(x)
+    >>> x.squeeze(1).tolist()     # exact average after log2(4) steps
+    [1.5, 1.5, 1.5, 1.5]
+    """
+
+    def __init__(self, schedule, make) -> None:
+        self.schedule, self._make = schedule, make
+        self.matrix = schedule
+        self._phases: dict[int, Mixer] = {}
+        self._calls = 0
+        first = self.at(0)
+        self.n_agents, self.agents = first.n_agents, list(first.agents)
+        self.bytes_sent = first.bytes_sent
+
+    def at(self, k: int) -> Mixer:
+        k = int(k) % len(self.schedule)
+        if k not in self._phases:
+            mixer = self._make(self.schedule[k])
+            if self._phases:
+                mixer.bytes_sent = self.bytes_sent  # one counter for every step of the period
+            mixer.part_of = self  # update rules check the schedule, not one of its steps
+            self._phases[k] = mixer
+        return self._phases[k]
+
+    @property
+    def bytes_across(self) -> float:
+        """What this process sent to other processes, over every step of the period."""
+        return float(sum(m.bytes_across for m in self._phases.values()))
+
+    @bytes_across.setter
+    def bytes_across(self, value: float) -> None:
+        for k, m in self._phases.items():
+            m.bytes_across = float(value) if k == 0 else 0.0
+
+    def start(self, X: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
+        """W_t X for the t-th call (t = 0, 1, …): the schedule's steps in turn."""
+        t, self._calls = self._calls, self._calls + 1
+        return self.at(t).start(X, out=out)
+
+    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.at(0).average(X, mask, out=out)
+
+
+def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = False,
+               column_stochastic: bool | None = None, per_matrix=None) -> Mixer:
+    """The one way from a mixing matrix to a Mixer.
+
+    Args:
+        W: a dense (numpy, nested lists) or ``scipy.sparse`` N×N matrix, a
+            :class:`topologies.Schedule` (time-varying: a :class:`ScheduleMixer`),
+            None (Π = 11ᵀ/N, i.e. all-reduce; needs ``n_agents``), or a ready
+            :class:`Mixer` (checked and returned as it is).
+        algorithm: the :class:`~cdsgd.algorithms.Algorithm` that will use it:
+            its ``check_mixing`` runs here (D²'s eigenvalue condition, push-sum's
+            column-stochastic P, a doubly stochastic W for the other neighbour
+            rules), and a neighbour rule refuses None.
+        n_agents: the number of agents the caller has (checked against W).
+        exact: the exact (runtime-identical rounding) mode of :class:`MatrixMixer`.
+        column_stochastic: validate W as a push-sum matrix (columns sum to 1);
+            default: what ``algorithm`` takes (``sgp``), else False.
+        per_matrix: ``per_matrix(W_k, exact=..., validate=False)`` builds the
+            mixer of one (validated) matrix: :class:`MatrixMixer` by default;
+            the runtime passes its ``BlockMixer``.
+
+    A matrix is validated once (:func:`topologies.validate`; a schedule's
+    steps were validated when it was built); ValueError naming what is wrong.
+
+    >>> import topologies
+    >>> m = make_mixer(topologies.mixing_matrix(topologies.build("ring", 4)), n_agents=4)
+    >>> type(m).__name__, m.method
+    ('MatrixMixer', 'dense')
+    >>> type(make_mixer(topologies.schedule("one_peer_exponential", 8))).__name__
+    'ScheduleMixer'
+    """
+    per_matrix = MatrixMixer if per_matrix is None else per_matrix
+    if column_stochastic is None:
+        column_stochastic = bool(getattr(algorithm, "column_stochastic", False))
+    if isinstance(W, Mixer):
+        mixer = check_mixer(W)
+        if n_agents is not None and mixer.n_agents != n_agents:
+            raise ValueError(f"mixer is for {mixer.n_agents} agents but there are {n_agents} agents")
+        if algorithm is not None:
+            algorithm.accept(mixer)
+        return mixer
+    if W is None:
+        if algorithm is not None and algorithm.traffic == "neighbours":
+            raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
+        if n_agents is None:
+            raise ValueError("W=None stands for Π = 11ᵀ/N (all-reduce) and needs n_agents")
+        return per_matrix(None, exact=exact, validate=False, n_agents=n_agents)
+    if is_schedule(W):
+        if n_agents is not None and W.n != n_agents:
+            raise ValueError(f"schedule {W!r} is for {W.n} agents but there are {n_agents} agents")
+        if algorithm is not None:
+            algorithm.check_mixing(W)
+        mixer = ScheduleMixer(W, lambda Wk: per_matrix(Wk, exact=exact, validate=False))
+    else:
+        if not is_sparse(W):
+            W = np.asarray(W, dtype=np.float64)
+        if W.ndim != 2 or W.shape[0] != W.shape[1]:
+            raise ValueError(f"a mixing matrix must be square (N×N), got shape {tuple(W.shape)}; a time-varying "
+                             "schedule is a topologies.Schedule (topologies.schedule(...))")
+        if n_agents is not None and W.shape[0] != n_agents:
+            raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n_agents} agents")
+        W = topologies.validate(W, symmetric=not column_stochastic, row_sums=not column_stochastic)
+        if algorithm is not None:
+            algorithm.check_mixing(W)
+        mixer = per_matrix(W, exact=exact, validate=False)
+    if algorithm is not None:
+        mixer.__dict__.setdefault("_accepted_by", set()).add(type(algorithm))
+    return mixer
