@@ -43,6 +43,7 @@ Example, inside a process group (e.g. under torchrun)::
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import scipy.sparse as sp
@@ -284,10 +285,12 @@ class BlockMixer(Mixer):
             if B.nnz > DENSE_FRACTION * B.shape[0] * B.shape[1]:
                 t = torch.as_tensor(B.toarray(), dtype=X2.dtype, device=X2.device)
             else:
-                t = torch.sparse_csr_tensor(torch.as_tensor(B.indptr, dtype=torch.int64),
-                                            torch.as_tensor(B.indices, dtype=torch.int64),
-                                            torch.as_tensor(B.data, dtype=X2.dtype), size=B.shape,
-                                            device=X2.device, check_invariants=False)
+                with warnings.catch_warnings():  # "sparse CSR support is in beta": the product used here is stable
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = torch.sparse_csr_tensor(torch.as_tensor(B.indptr, dtype=torch.int64),
+                                                torch.as_tensor(B.indices, dtype=torch.int64),
+                                                torch.as_tensor(B.data, dtype=X2.dtype), size=B.shape,
+                                                device=X2.device, check_invariants=False)
             self._buffers[key] = t
         return self._buffers[key]
 
