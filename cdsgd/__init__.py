@@ -16,8 +16,8 @@ make_algorithm, Algorithm  update rules on stacked flat parameters
 ALGORITHMS                 (:mod:`cdsgd.algorithms`)
 CDSGD, CDMSGD,             the same rules as ``torch.optim`` optimizers for
 DecentralizedOptimizer     one agent in a user's own loop
-Mixer, MatrixMixer,        Π X in-process (:mod:`cdsgd.mixers`)
-ScheduleMixer
+make_mixer, Mixer,         Π X in-process (:mod:`cdsgd.mixers`); make_mixer is
+MatrixMixer, ScheduleMixer the one way from a matrix, schedule or None to a mixer
 NeighbourMixer, BlockMixer Π X across torch.distributed ranks (:mod:`cdsgd.runtime`)
 Config, load_config        the typed config (:mod:`cdsgd.config`)
 validate_config,           one run as ``cdsgd run`` does it (:mod:`cdsgd.run`)
@@ -61,6 +61,7 @@ _HOMES = {
     "CDMSGD": "cdsgd.algorithms",
     "DecentralizedOptimizer": "cdsgd.algorithms",
     "Mixer": "cdsgd.mixers",
+    "make_mixer": "cdsgd.mixers",
     "MatrixMixer": "cdsgd.mixers",
     "ScheduleMixer": "cdsgd.mixers",
     "NeighbourMixer": "cdsgd.runtime",
