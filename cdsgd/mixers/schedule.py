@@ -18,7 +18,10 @@ class ScheduleMixer(Mixer):
 
     ``at(k)`` is the mixer of W_{k mod T}, built on first use by ``make(W_k)``
     (a :class:`MatrixMixer` in the simulator, the runtime's ``BlockMixer``
-    across processes, which then exchanges with that step's peers only).
+    across processes, which then exchanges with that step's peers only);
+    it carries ``part_of`` (this ScheduleMixer) and ``phase`` (k mod T), so
+    a rule handed the mixer of step k can reach step k − 1's,
+    ``part_of.at(phase − 1)``.
     Executors and :class:`~cdsgd.algorithms.DecentralizedOptimizer` call
     ``at(k)`` with their step counter. ``start``/``mix`` without a step apply
     W_0, W_1, … in turn (the t-th call applies W_{t mod T}), so
@@ -51,6 +54,7 @@ class ScheduleMixer(Mixer):
             if self._phases:
                 mixer.bytes_sent = self.bytes_sent  # one counter for every step of the period
             mixer.part_of = self  # update rules check the schedule, not one of its steps
+            mixer.phase = k  # W_k's place in the period: dsgt mixes its tracker with part_of.at(phase − 1)
             self._phases[k] = mixer
         return self._phases[k]
 
@@ -75,7 +79,7 @@ class ScheduleMixer(Mixer):
 
 
 def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = False,
-               column_stochastic: bool | None = None, per_matrix=None) -> Mixer:
+               column_stochastic: bool | None = None, per_matrix=None, validated: bool = False) -> Mixer:
     """The one way from a mixing matrix to a Mixer.
 
     Args:
@@ -94,6 +98,9 @@ def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = 
         per_matrix: ``per_matrix(W_k, exact=..., validate=False)`` builds the
             mixer of one (validated) matrix: :class:`MatrixMixer` by default;
             the runtime passes its ``BlockMixer``.
+        validated: W was validated already (the run path: ``topologies.mixing_matrix``
+            validates what it builds), so it is not validated again; the
+            algorithm's ``check_mixing`` still runs.
 
     A matrix is validated once (:func:`topologies.validate`; a schedule's
     steps were validated when it was built); ValueError naming what is wrong.
@@ -135,7 +142,8 @@ def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = 
                              "schedule is a topologies.Schedule (topologies.schedule(...))")
         if n_agents is not None and W.shape[0] != n_agents:
             raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n_agents} agents")
-        W = topologies.validate(W, symmetric=not column_stochastic, row_sums=not column_stochastic)
+        if not validated:
+            W = topologies.validate(W, symmetric=not column_stochastic, row_sums=not column_stochastic)
         if algorithm is not None:
             algorithm.check_mixing(W)
         mixer = per_matrix(W, exact=exact, validate=False)

@@ -130,7 +130,7 @@ class LocalGroup(Group):
         pass
 
     def mixer(self, W, *, exact: bool, n_agents: int) -> Mixer:
-        return make_mixer(W, n_agents=n_agents, exact=exact)
+        return make_mixer(W, n_agents=n_agents, exact=exact, validated=True)  # W comes validated from the plan
 
     def reducer(self, device: torch.device) -> Reducer:
         return Reducer()
@@ -260,7 +260,7 @@ class DistGroup(Group):
             return BlockMixer(Wk, self.rank, self.world, timeout=self.timeout, exact=exact, validate=validate,
                               n_agents=n_agents)
 
-        return make_mixer(W, n_agents=n_agents, exact=exact, per_matrix=block)
+        return make_mixer(W, n_agents=n_agents, exact=exact, per_matrix=block, validated=True)  # as LocalGroup
 
     def reducer(self, device: torch.device) -> Reducer:
         from .reduce import DistReducer
