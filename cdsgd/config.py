@@ -83,7 +83,8 @@ class Config:
     overlap: bool = key(True, "exchange parameters during the backward pass (False: after it, for measurement)")
     # --- communication graph
     topology: str = key("ring", "builder name (ring, torus, complete, ...), time-varying schedule "
-                        "(one_peer_exponential, random_matching) or a graph file path", identity=True)
+                        "(one_peer_exponential, random_matching) or a graph file path; not used by sgd, msgd, "
+                        "fedavg, local (no graph)", identity=True)
     topology_params: dict = key({}, "builder parameters, e.g. {p = 0.3, seed = 1}")
     n_agents: int = key(5, "number of agents", low=1, identity=True)
     mixing: str = key("metropolis", "weight rule: metropolis | max_degree | lazy_metropolis | uniform | weight",

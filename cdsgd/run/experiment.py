@@ -14,8 +14,11 @@ partitions the data, builds the model, runs the executor and writes, into
 ``summary.json``
     the final row, ``best_test_accuracy``, the config identity (algorithm,
     topology, n_agents, mixing, dataset, partition, model, seed), the
-    spectral gap and lambda2, ``status`` (``completed`` or ``interrupted``),
-    and the versions of torch and cdsgd.
+    spectral gap and lambda2, ``topology_used`` (false for the centralized
+    baselines sgd, msgd, fedavg and local: no graph was built, and the gap
+    is that of their averaging, :func:`~cdsgd.run.plan.baseline_gap`),
+    ``status`` (``completed`` or ``interrupted``), and the versions of torch
+    and cdsgd.
 
 On Ctrl-C the rows of the evaluations done stay complete, summary.json is
 written with ``status = "interrupted"``, and KeyboardInterrupt propagates.
@@ -132,7 +135,7 @@ def _json_number(v):
 def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
     """The executor of this process: every agent (one process) or the block of agents its rank holds."""
     return Executor(
-        parts.model_fn, parts.shards, group.mixer(parts.W, exact=cfg.exact), parts.plan.algorithm,
+        parts.model_fn, parts.shards, group.mixer(parts.W, exact=cfg.exact, n_agents=cfg.n_agents), parts.plan.algorithm,
         batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
         test_set=parts.test_set, eval_batch_size=cfg.eval_batch_size,
         eval_agents=cfg.eval_agents or default_eval_agents(cfg.n_agents), eval_samples=cfg.eval_samples or None, exact=cfg.exact,
@@ -275,9 +278,10 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         **cfg.identity(),
         "executor": cfg.executor,
         "processes": world,
+        "topology_used": parts.plan.uses_graph,  # false: sgd, msgd, fedavg, local (the gap is their averaging's)
         "spectral_gap": gap.gap,
         "lambda2": gap.lambda2,
-        "effective_neighbours": _json_number(topologies.effective_neighbours(parts.W)) if writer else None,
+        "effective_neighbours": _json_number(parts.plan.effective_neighbours()) if writer else None,
         "effective_neighbours_decay": topologies.EFFECTIVE_DECAY,
         "n_parameters": sim.layout.numel,
         "steps_per_epoch": sim.steps_per_epoch,
@@ -299,7 +303,10 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         summary["resumed_from_step"] = sim.k
     if writer:
         atomic_write(out / "config.toml", dump_config(cfg))
-    log(f"cdsgd run: {cfg.algorithm} on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(gap.gap)}), "
+    graph = (f"on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(gap.gap)})"
+             if parts.plan.uses_graph else f"(n={cfg.n_agents}, "
+             f"{'all-reduce' if parts.plan.algorithm.traffic == 'allreduce' else 'no communication'}, no graph)")
+    log(f"cdsgd run: {cfg.algorithm} {graph}, "
         f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
         f"{total} steps, executor {cfg.executor}"
         + (f" ({cfg.n_agents // world} agent(s) in each of {world} processes)" if world > 1 else "")

@@ -5,7 +5,11 @@ declares about it (type, choices or registry, bounds), then builds what can
 be built without data, once: the graph, its mixing matrix and spectral gap,
 the algorithm with its hyperparameters, and a probe of the model with its
 options. A bad name, value, graph file or model option fails here, before an
-output folder exists. :func:`prepare` then loads and partitions the data and
+output folder exists. The centralized baselines (an algorithm whose
+``traffic`` is not ``"neighbours"``: ``sgd``, ``msgd``, ``fedavg``
+all-reduce, ``local`` never communicates) need no graph: none is built,
+whatever ``topology`` says, and W is None (:func:`uses_graph`,
+:func:`baseline_gap`). :func:`prepare` then loads and partitions the data and
 returns the :class:`Parts` the executor consumes.
 
 A ``model`` or ``dataset`` of the form ``"package.module:callable"`` is the
@@ -44,8 +48,8 @@ from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, buc
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
 from .logger import check_logger
 
-__all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "hyperparameters", "load_config_dataset", "prepare",
-           "validate_config"]
+__all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "baseline_gap", "hyperparameters", "load_config_dataset",
+           "prepare", "uses_graph", "validate_config"]
 
 #: the registries that hold the allowed names of config keys declared with ``registry=``
 #: (a ``model`` or ``dataset`` holding a ':' is imported instead: :data:`IMPORTABLE`)
@@ -57,19 +61,39 @@ IMPORTABLE = ("model", "dataset")
 
 @dataclass
 class Plan:
-    """What a valid config builds without data: graph, mixing matrix, spectral gap, algorithm."""
+    """What a valid config builds without data: graph, mixing matrix, spectral gap, algorithm.
+
+    For an algorithm that needs no graph (:func:`uses_graph` false: ``sgd``,
+    ``msgd``, ``fedavg``, ``local``) ``graph`` and ``W`` are None (None is
+    the all-reduce mean to a Mixer; ``local`` never mixes) and
+    ``spectral_gap`` is that of the averaging the rule does
+    (:func:`baseline_gap`).
+    """
 
     cfg: Config
-    graph: nx.Graph
+    #: None when the algorithm needs no graph
+    graph: nx.Graph | None
     #: dense up to topologies.DENSE_UP_TO agents, a scipy.sparse CSR matrix beyond (O(edges) memory);
-    #: a topologies.Schedule for a time-varying topology
-    W: "np.ndarray | object"
+    #: a topologies.Schedule for a time-varying topology; None when the algorithm needs no graph
+    W: "np.ndarray | object | None"
     spectral_gap: topologies.SpectralGap
     algorithm: Algorithm
     #: warnings about the config (settings that have no effect, weights that are ignored); a run logs them
     notes: list = field(default_factory=list)
     #: the data set, when the door had to load it (the user's own model or data set); else None
     data: Dataset | None = field(default=None, repr=False)
+
+    @property
+    def uses_graph(self) -> bool:
+        """The algorithm mixes with neighbours over ``graph`` and ``W`` (false for the centralized baselines)."""
+        return uses_graph(self.algorithm)
+
+    def effective_neighbours(self) -> float:
+        """:func:`topologies.effective_neighbours` of W (NaN beyond its size limit); without a graph, that of
+        the averaging the rule does: n_agents for the all-reduce mean 11ᵀ/n, 1 for ``local``'s Π = I."""
+        if self.uses_graph:
+            return topologies.effective_neighbours(self.W)
+        return float(self.cfg.n_agents) if self.algorithm.traffic == "allreduce" else 1.0
 
 
 @dataclass
@@ -134,16 +158,46 @@ def validate_config(cfg: Config) -> Plan:
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
-    # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
-    G, W = plan_topology(cfg)
-    algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
+    if uses_graph(algorithm):
+        # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
+        G, W = plan_topology(cfg)
+        algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
+        gap = topologies.spectral_gap(W)
+    else:  # all-reduce or no communication: topology, topology_params and mixing are not used
+        G, W, gap = None, None, baseline_gap(algorithm, cfg.n_agents)
     data = None
     if is_import_path(cfg.dataset) or is_import_path(cfg.model):  # the user's code: run it before any folder exists
         data = load_config_dataset(cfg)
         check_model_options(cfg.model, cfg.model_params, input_shape=data.input_shape, n_classes=data.n_classes,
                             sample=data.train[0][:2])
-    return Plan(cfg=cfg, graph=G, W=W, spectral_gap=topologies.spectral_gap(W), algorithm=algorithm, data=data,
-                notes=_notes(cfg, G))
+    return Plan(cfg=cfg, graph=G, W=W, spectral_gap=gap, algorithm=algorithm, data=data,
+                notes=_notes(cfg, G, algorithm))
+
+
+def uses_graph(algorithm: Algorithm) -> bool:
+    """Whether ``algorithm`` mixes with neighbours over a graph (its ``traffic`` is ``"neighbours"``).
+
+    The others need none: ``sgd``, ``msgd`` and ``fedavg`` average over all
+    agents by all-reduce (W None), ``local`` never communicates. They run
+    for any n_agents >= 1, whatever ``topology`` says.
+    """
+    return algorithm.traffic == "neighbours"
+
+
+def baseline_gap(algorithm: Algorithm, n_agents: int) -> topologies.SpectralGap:
+    """The spectral gap of the averaging an algorithm without a graph does, in closed form.
+
+    All-reduce (``sgd``, ``msgd``, ``fedavg``): the exact mean Π = 11ᵀ/n,
+    eigenvalues 1, 0, …, 0: λ₂ = 0, gap 1. No communication (``local``):
+    Π = I, λ₂ = 1, gap 0. One agent: λ₂ = 0 either way (as
+    :func:`topologies.spectral_gap` has it for n = 1).
+
+    >>> from cdsgd.algorithms import make_algorithm
+    >>> baseline_gap(make_algorithm("msgd", lr=0.1), 8), baseline_gap(make_algorithm("local", lr=0.1), 8)
+    (SpectralGap(gap=1.0, lambda2=0.0), SpectralGap(gap=0.0, lambda2=1.0))
+    """
+    lambda2 = 1.0 if algorithm.traffic == "none" and n_agents > 1 else 0.0
+    return topologies.SpectralGap(gap=1.0 - lambda2, lambda2=lambda2)
 
 
 def plan_topology(cfg: Config):
@@ -155,10 +209,16 @@ def plan_topology(cfg: Config):
     return topologies.graph_and_mixing(cfg.topology, cfg.n_agents, rule, **cfg.topology_params)
 
 
-def _notes(cfg: Config, G: nx.Graph) -> list[str]:
+def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm) -> list[str]:
     """Settings of ``cfg`` that have no effect, said before the run rather than found out after it."""
     notes = []
-    if (topologies.is_graph_file(cfg.topology) and cfg.mixing != "weight"
+    unused = [k for k in ("topology", "topology_params", "mixing") if getattr(cfg, k) != key_info(k)["default"]]
+    if G is None and unused:
+        how = "averages over all agents (all-reduce)" if algorithm.traffic == "allreduce" else "never communicates"
+        notes.append(f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in unused)} "
+                     f"{'has' if len(unused) == 1 else 'have'} no effect with algorithm={cfg.algorithm!r}: "
+                     f"it {how} and builds no graph")
+    if (G is not None and topologies.is_graph_file(cfg.topology) and cfg.mixing != "weight"
             and any("weight" in d for _, _, d in G.edges(data=True))):
         notes.append(f"graph file {cfg.topology!r} carries edge weights, which mixing={cfg.mixing!r} ignores "
                      "(it computes its own); set mixing=weight to mix with the file's weights")
