@@ -139,6 +139,13 @@ def test_make_mixer_takes_every_kind_of_input():
         make_mixer(None, n_agents=4, algorithm=make_algorithm("cdsgd", lr=0.1))
 
 
+def test_a_torch_tensor_w_is_taken():
+    W = ring(5)
+    X = start_x0(5, 3)
+    for m in (make_mixer(torch.as_tensor(W)), MatrixMixer(torch.as_tensor(W, dtype=torch.float32))):
+        np.testing.assert_allclose(m.mix(X).numpy(), W @ X.numpy(), atol=1e-7)
+
+
 def test_matrix_mixer_names_the_factory_for_a_schedule():
     S = topologies.schedule("one_peer_exponential", 8)
     with pytest.raises(ValueError, match=r"make_mixer\(schedule\)"):

@@ -75,7 +75,7 @@ class MatrixMixer(Mixer):
                 S = topologies.validate(W) if validate else W.tocsr().astype(np.float64)
                 self._dense64 = None
             else:
-                D = np.asarray(W, dtype=np.float64)
+                D = np.asarray(W.detach().cpu() if isinstance(W, torch.Tensor) else W, dtype=np.float64)
                 if validate:
                     topologies.validate(D)
                 import scipy.sparse as sp

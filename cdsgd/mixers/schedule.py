@@ -83,7 +83,7 @@ def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = 
     """The one way from a mixing matrix to a Mixer.
 
     Args:
-        W: a dense (numpy, nested lists) or ``scipy.sparse`` N×N matrix, a
+        W: a dense (numpy, nested lists, a torch tensor on any device) or ``scipy.sparse`` N×N matrix, a
             :class:`topologies.Schedule` (time-varying: a :class:`ScheduleMixer`),
             None (Π = 11ᵀ/N, i.e. all-reduce; needs ``n_agents``), or a ready
             :class:`Mixer` (checked and returned as it is).
@@ -135,6 +135,8 @@ def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = 
             algorithm.check_mixing(W)
         mixer = ScheduleMixer(W, lambda Wk: per_matrix(Wk, exact=exact, validate=False))
     else:
+        if isinstance(W, torch.Tensor):  # on any device: W is small next to X, and read on the host
+            W = W.detach().cpu().numpy()
         if not is_sparse(W):
             W = np.asarray(W, dtype=np.float64)
         if W.ndim != 2 or W.shape[0] != W.shape[1]:
