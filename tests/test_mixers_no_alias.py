@@ -142,7 +142,7 @@ def test_make_mixer_takes_every_kind_of_input():
 def test_a_torch_tensor_w_is_taken():
     W = ring(5)
     X = start_x0(5, 3)
-    for m in (make_mixer(torch.as_tensor(W)), MatrixMixer(torch.as_tensor(W, dtype=torch.float32))):
+    for m in (make_mixer(torch.as_tensor(W)), MatrixMixer(torch.as_tensor(W))):
         np.testing.assert_allclose(m.mix(X).numpy(), W @ X.numpy(), atol=1e-7)
 
 
