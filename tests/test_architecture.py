@@ -237,8 +237,8 @@ def test_old_paths_and_names_work_and_warn():
         importlib.import_module("cdsgd.config").nothing
 
 
-def test_the_api_page_names_every_public_name_and_its_examples_run(tmp_path, monkeypatch):
-    """docs/api.md lists each name of ``cdsgd.__all__``, and its Python examples run as written."""
+def test_the_api_page_names_every_public_name():
+    """docs/api.md lists each name of ``cdsgd.__all__`` (its Python examples run in tests/test_docs_code.py)."""
     import re
 
     import cdsgd
@@ -246,14 +246,3 @@ def test_the_api_page_names_every_public_name_and_its_examples_run(tmp_path, mon
     page = (ROOT / "docs" / "api.md").read_text()
     missing = [n for n in cdsgd.__all__ if n != "__version__" and not re.search(rf"`{n}[`(]", page)]
     assert not missing, f"public names missing from docs/api.md: {missing}"
-    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len(blocks) == 2
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/api.md", "exec"), scope)
-    assert scope["result"].metrics[-1]["test_accuracy"] > 0.9
-    assert scope["summary"]["status"] == "completed"
-    W = torch.as_tensor(scope["W"])
-    x0 = torch.as_tensor(scope["x"]).clone()
-    assert torch.allclose(scope["mixer"].mix(x0), W @ x0)
