@@ -32,6 +32,15 @@ Example (a directed ring of 3, zero gradients: push-sum averages)::
     ...     _ = alg.update(X, torch.zeros_like(X), state, k=k, mixer=mixer)
     >>> [round(v, 6) for v in X.flatten().tolist()]
     [3.0, 3.0, 3.0]
+    >>> [round(w, 6) for w in alg.weights(state).tolist()]   # a directed ring's P is doubly stochastic: w stays 1
+    [1.0, 1.0, 1.0]
+
+**Reading the weights.** :meth:`SGPAlgorithm.weights` gives the w_j of a
+state (a new tensor, one per agent of the stack); the executor's
+``push_sum_weights`` (``sim.push_sum_weights``) gives those of the agents it
+holds, and :class:`~cdsgd.algorithms.DecentralizedOptimizer` its agent's
+(``opt.algorithm.weights(opt.rule_state)``). Agent j's numerator is
+x_j = z_j · w_j, z_j its row of the parameter stack (``sim.X``).
 """
 
 from __future__ import annotations
@@ -56,6 +65,15 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
     def init_state(self, X: torch.Tensor) -> dict:
         return {"weight": torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device),
                 "numerator": torch.zeros_like(X), **self._momentum_state(X)}
+
+    @staticmethod
+    def weights(state: dict) -> torch.Tensor:
+        """The push-sum weights w_j of the agents in ``state`` (a new L-vector, entry i for row i of X).
+
+        Each starts at 1 and is mixed like the numerators (w ← P w), so Σ_j w_j = N
+        always; z_j = x_j / w_j are the parameters the stack holds.
+        """
+        return state["weight"].detach().reshape(-1).clone()
 
     def check_mixing(self, W) -> None:
         """Accept a column-stochastic P (push-sum), directed or not; refuse a schedule."""

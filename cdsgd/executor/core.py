@@ -133,6 +133,12 @@ class Executor:
             default :class:`BatchStream` over agent j's shard.
         steps_per_epoch: steps that count as one epoch (default
             ceil(mean shard size / batch_size)).
+
+    Public state (read it; each step updates it in place):
+        X: the L×P stack of the held agents' flat parameters (N×P in the simulator): row i is agent
+            ``agents[i]``'s, in ``layout`` order (``layout.views(X[i])`` names them); for ``sgp`` the
+            de-biased z_j. The executor's own buffer: ``X.clone()`` keeps a snapshot.
+        push_sum_weights: push-sum's weights w_j (``sgp``: numerators ``X[i] * w_j``), else None.
     """
 
     def __init__(
@@ -292,6 +298,12 @@ class Executor:
         new = bad & (self._nonfinite[:, 0] == 0)
         self._nonfinite[new, 0] = self.k
         self._nonfinite[new, 1] = (~bad_loss[new]).double()
+
+    @property
+    def push_sum_weights(self) -> torch.Tensor | None:
+        """Push-sum's w_j of the held agents (a new L-vector; Σ_j w_j = N; :meth:`SGPAlgorithm.weights`), else None."""
+        weights = getattr(self.algorithm, "weights", None)
+        return None if weights is None else weights(self.state)
 
     @property
     def nonfinite_here(self) -> bool:
