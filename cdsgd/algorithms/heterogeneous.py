@@ -19,15 +19,22 @@ the tracker for ``dsgt``); β = 0 gives d = u.
           tracking methods", Math. Program. 2021; Koloskova, Lin & Stich,
           "An improved analysis of gradient tracking for decentralized
           machine learning", NeurIPS 2021), in the combine-then-adapt form of
-          DIGing (Nedić, Olshevsky & Shi 2017):
+          DIGing (Nedić, Olshevsky & Shi 2017, eq. 3), step k = 0, 1, …:
 
-              y_j ← Σ_l π_jl y_l + g_j(x_j^k) − g_j(x_j^{k−1})      (y_j = g_j at k = 0)
-              x_j ← Σ_l π_jl x_l − α_k d(y_j)
+              y_j^k     = Σ_l π^{k−1}_jl y_l^{k−1} + g_j(x_j^k) − g_j(x_j^{k−1})   (y_j^0 = g_j(x_j^0))
+              x_j^{k+1} = Σ_l π^k_jl x_l^k − α_k d(y_j^k)
 
+          with W_k = (π^k_jl) the matrix of step k: one W for a static graph,
+          W_{k mod T} of a time-varying :class:`topologies.Schedule`. As in
+          DIGing, x^k and y^k are both mixed with W_k: x^k during step k, y^k
+          (made at step k from g(x^k)) during step k + 1. So step k's two
+          exchanges are W_k x^k (the mixer handed to step k) and W_{k−1} y^{k−1}
+          (its schedule's previous step, ``mixer.part_of.at(mixer.phase − 1)``;
+          at k = 0, y^{−1} = 0 and g(x^{−1}) = 0, so W_{−1} = W_{T−1} mixes zeros).
           The tracker's average equals the agents' average gradient at every
-          step (W is doubly stochastic), so a fixed point has Σ_j ∇f_j = 0 and
-          consensus: no bias. Both Σ π x and Σ π y need only the previous
-          step, so both exchanges are posted before the backward pass.
+          step (every W_k is doubly stochastic), so a fixed point has
+          Σ_j ∇f_j = 0 and consensus: no bias. Both exchanges need only the
+          previous step, so both are posted before the backward pass.
           **Two vectors per step** (parameters and tracker).
 ``d2``    D² / exact diffusion (Tang, Lian, Yan, Zhang & Liu, "D²:
           Decentralized training over decentralized data", ICML 2018), with
@@ -103,9 +110,12 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
         return {"tracker": torch.zeros_like(X), "previous_gradient": torch.zeros_like(X), **self._momentum_state(X)}
 
     def start(self, X, state, mixer):
+        """Post step k's two exchanges: W_k x^k with ``mixer`` (step k's), W_{k−1} y^{k−1} with step k − 1's."""
         self.accept(mixer)
         Y = state["tracker"]
-        return mixer.start(X, out=self._scratch(X, "mixed")), mixer.start(Y, out=self._scratch(Y, "mixed_tracker"))
+        schedule = getattr(mixer, "part_of", None)  # a time-varying schedule's step; a static mixer has none
+        previous = mixer if schedule is None else schedule.at(mixer.phase - 1)  # built before any exchange posts
+        return mixer.start(X, out=self._scratch(X, "mixed")), previous.start(Y, out=self._scratch(Y, "mixed_tracker"))
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
         self.accept(mixer)
@@ -114,7 +124,7 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
         Y, G_prev = state["tracker"], state["previous_gradient"]
         Wy = mixed_y.wait()
         for Wy_b, G_b, Y_b, Gp_b in _in_blocks(Wy, G, Y, G_prev):
-            torch.add(Wy_b, G_b, out=Y_b).sub_(Gp_b)  # y ← Σ π y + g(x^k) − g(x^{k−1})
+            torch.add(Wy_b, G_b, out=Y_b).sub_(Gp_b)  # y^k = W_{k−1} y^{k−1} + g(x^k) − g(x^{k−1})
             Gp_b.copy_(G_b)
         D = _direction(Y, state, self.momentum, self.nesterov)
         return cdsgd_update(mixed_x.wait(), D, self.step_size(k), out=X)
