@@ -96,8 +96,23 @@ def test_the_schedule_mixer_mixes_with_w_k_at_step_k_and_counts_one_peer():
     for k in range(7):
         np.testing.assert_allclose(mixer.at(k).mix(X).numpy(), dense(s[k]) @ X.numpy(), rtol=0, atol=1e-15)
     assert mixer.bytes_sent.tolist() == [7 * 5 * 8] * 8  # one neighbour per step, shared over the period
-    with pytest.raises(ValueError, match="call mixer.at"):
-        mixer.start(X)
+    # without a step, start/mix apply W_0, W_1, ... in turn (the t-th call W_t)
+    for t in range(4):
+        np.testing.assert_allclose(mixer.start(X).wait().numpy(), dense(s[t % len(s)]) @ X.numpy(), atol=1e-15)
+
+
+def test_a_whole_schedule_handed_to_update_mixes_with_w_k():
+    """alg.update(..., k=k, mixer=schedule_mixer) uses W_k, not the mixer's own call counter."""
+    from cdsgd.algorithms import make_algorithm
+
+    s = topologies.schedule("one_peer_exponential", 8)
+    mixer = ScheduleMixer(s, lambda W: MatrixMixer(W, validate=False))
+    alg = make_algorithm("cdsgd", lr=0.1)
+    X0 = torch.randn(8, 3, dtype=torch.float64)
+    G = torch.zeros_like(X0)
+    for k in (5, 1, 1):
+        np.testing.assert_allclose(alg.update(X0.clone(), G, {}, k=k, mixer=mixer).numpy(),
+                                   dense(s[k % len(s)]) @ X0.numpy(), atol=1e-15)
 
 
 def test_simulator_steps_through_the_schedule():

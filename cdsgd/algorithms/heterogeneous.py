@@ -118,7 +118,7 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
         return mixer.start(X, out=self._scratch(X, "mixed")), previous.start(Y, out=self._scratch(Y, "mixed_tracker"))
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         mixed_x, mixed_y = mixed if mixed is not None else self.start(X, state, mixer)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         Y, G_prev = state["tracker"], state["previous_gradient"]
@@ -156,7 +156,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
                 f"{lam:.6g}; use mixing=lazy_metropolis ((I + W)/2 has eigenvalues >= 0)")
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         D = _direction(G, state, self.momentum, self.nesterov)
         lr = self.step_size(k)
@@ -182,7 +182,7 @@ class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
         return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X), "half_step": torch.zeros_like(X)}
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         beta, lr = self.momentum, self.step_size(k)
         M, D, H = state["momentum"], state["direction"], state["half_step"]

@@ -83,7 +83,7 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
         topologies.validate(W, symmetric=False, row_sums=False)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         D = _direction(G, state, self.momentum, self.nesterov)
         w, num = state["weight"], state["numerator"]

@@ -233,8 +233,9 @@ class Algorithm:
         except ValueError as e:
             raise ValueError(f"algorithm {self.name!r} needs a doubly stochastic mixing matrix: {e}") from None
 
-    def accept(self, mixer: Mixer) -> None:
-        """Check once per mixer (and rule class) that this rule can mix with ``mixer``'s matrix.
+    def accept(self, mixer: Mixer, k: int | None = None) -> Mixer:
+        """Check once per mixer (and rule class) that this rule can mix with ``mixer``'s matrix;
+        return the mixer of step ``k`` (``mixer.at(k)``: a whole schedule handed to ``update`` mixes with W_k).
 
         :meth:`check_mixing` on ``mixer.matrix`` (a schedule step's whole
         schedule), however the mixer was built (``validate=False`` included);
@@ -247,6 +248,7 @@ class Algorithm:
             if getattr(owner, "matrix", None) is not None:
                 self.check_mixing(owner.matrix)
             seen.add(type(self))
+        return mixer if k is None else mixer.at(k)
 
     def _scratch(self, X: torch.Tensor, name: str) -> torch.Tensor:
         """A buffer like X that this rule owns (a mixing's ``out=``): allocated once, reused every step."""
@@ -306,7 +308,7 @@ class CDSGDAlgorithm(Algorithm):
     name, traffic, mixes_params = "cdsgd", "neighbours", True
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         return cdsgd_update(self._mixed(X, mixer, mixed), G, self.step_size(k), out=X)
 
@@ -320,7 +322,7 @@ class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
         self._init_momentum(momentum, nesterov)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         return momentum_update(self._mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
                                self.momentum, self.nesterov, out=X)
@@ -331,7 +333,7 @@ class SGDAlgorithm(Algorithm):
     name, traffic, same_init = "sgd", "allreduce", True
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         G = mixer.average(G, out=self._scratch(X, "average"))
         return cdsgd_update(X, G, self.step_size(k), out=X)
@@ -346,7 +348,7 @@ class MSGDAlgorithm(_MomentumMixin, Algorithm):
         self._init_momentum(momentum, nesterov)
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         G = mixer.average(G, out=self._scratch(X, "average"))
         return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
@@ -385,7 +387,7 @@ class FedAvgAlgorithm(Algorithm):
         return self._round_mask[1]
 
     def update(self, X, G, state, *, k, mixer, mixed=None):
-        self.accept(mixer)
+        mixer = self.accept(mixer, k)
         G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         mask = self.participants(k)
         if mask is None:

@@ -29,8 +29,8 @@ class ScheduleMixer(Mixer):
     one ``bytes_sent`` counter; ``average`` needs no W and uses the first.
 
     >>> import torch, topologies
-    >>> from cdsgd.mixers import MatrixMixer
-    >>> m = ScheduleMixer(topologies.schedule("one_peer_exponential", 4), MatrixMixer)
+    >>> from cdsgd.mixers import make_mixer
+    >>> m = make_mixer(topologies.schedule("one_peer_exponential", 4))   # a ScheduleMixer
     >>> x = torch.arange(4.0).unsqueeze(1)
     >>> for _ in range(2):
     ...     x = m.mix(x)
