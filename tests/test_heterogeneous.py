@@ -211,3 +211,19 @@ def test_decentralized_optimizer_refuses_all_reduce_rules():
 
     with pytest.raises(ValueError, match="'sgd' is not a neighbour rule"):
         DecentralizedOptimizer([torch.nn.Parameter(torch.zeros(2))], MatrixMixer(W), "sgd", lr=0.1)
+
+
+def test_qg_dsgdm_at_a_zero_step_size_keeps_its_momentum_and_stays_finite():
+    """A scheduler annealing lr to 0 (CosineAnnealingLR's default eta_min): the step is gossip alone, m̂ stays."""
+    alg = make_algorithm("qg_dsgdm", lr=0.1, momentum=0.9)
+    W = topologies.mixing_matrix(topologies.build("ring", 4))
+    mixer = MatrixMixer(W)
+    X = torch.randn(4, 3, dtype=torch.float64)
+    G = torch.randn(4, 3, dtype=torch.float64)
+    state = alg.init_state(X)
+    alg.update(X, G, state, k=0, mixer=mixer)
+    m_before, X_before = state["momentum"].clone(), X.clone()
+    alg.step_size.lr = 0.0
+    alg.update(X, G, state, k=1, mixer=mixer)
+    assert torch.equal(state["momentum"], m_before)
+    np.testing.assert_allclose(X.numpy(), W @ X_before.numpy(), atol=1e-14)

@@ -55,7 +55,7 @@ the tracker for ``dsgt``); β = 0 gives d = u.
 
               m̃ = β m̂ + g;  d = g + β m̃ (Nesterov) or m̃
               x_j ← Σ_l π_jl (x_l − α_k d_l)
-              m̂ ← β m̂ + (1 − β)(x_j^k − x_j^{k+1}) / α_k
+              m̂ ← β m̂ + (1 − β)(x_j^k − x_j^{k+1}) / α_k      (m̂ kept as it is when α_k = 0)
 
           One vector per step, mixed after the gradient.
 
@@ -193,7 +193,8 @@ class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
             torch.add(X_b, D_b, alpha=-lr, out=H_b)
         mixed = mixer.mix(H, out=self._scratch(X, "mixed"))
         for M_b, D_b, X_b, W_b in _in_blocks(M, D, X, mixed):
-            torch.sub(X_b, W_b, out=D_b)  # x^k − x^{k+1}
-            M_b.mul_(beta).add_(D_b, alpha=(1.0 - beta) / lr)
+            if lr > 0:  # at α_k = 0 (a scheduler's end) the movement is gossip alone: m̂ stays
+                torch.sub(X_b, W_b, out=D_b)  # x^k − x^{k+1}
+                M_b.mul_(beta).add_(D_b, alpha=(1.0 - beta) / lr)
             X_b.copy_(W_b)
         return X

@@ -51,7 +51,7 @@ import torch
 
 from ..base.checks import check_lr, check_momentum, check_weight_decay
 from ..base.flat import flatten, unflatten
-from ..mixers import Handle, Mixer, check_mixer
+from ..mixers import Mixer, check_mixer
 from .factory import algorithm_params, make_algorithm
 from .rules import Algorithm, cdsgd_update, momentum_update, with_weight_decay
 
