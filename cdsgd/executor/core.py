@@ -68,7 +68,7 @@ from ..base.seeding import derive_seed, generator
 from . import evaluation
 from . import state as checkpoint_state
 from .agents import build_agents, held_mixer
-from .gradients import STRATEGIES, make_strategy
+from .gradients import STRATEGIES, make_strategy, nonfinite_rows
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream
 
@@ -238,6 +238,7 @@ class Executor:
         self.eval_seconds = 0.0
         # each held agent's first non-finite step (0: none) and whether its parameters (1) or loss (0) were so
         self._nonfinite = torch.zeros(len(self.agents), 2, dtype=torch.float64)
+        self._row_sums = self.X.new_empty(len(self.agents), dtype=torch.promote_types(self.dtype, torch.float32))
         #: set by the evaluation that first sees a non-finite loss or parameter: (step, agent, what)
         self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
@@ -292,9 +293,8 @@ class Executor:
             return  # every held agent is noted already
         bad_loss = torch.zeros(len(self.agents), dtype=torch.bool)
         bad_loss[active] = ~torch.isfinite(losses)
-        bad = bad_loss.clone()
-        if not bool(torch.isfinite(self.X).all()):
-            bad |= ~torch.isfinite(self.X.reshape(len(self.agents), -1)).all(dim=1).cpu()
+        todo = ~bad_loss & (self._nonfinite[:, 0] == 0)  # the rows whose parameters are still to look at
+        bad = bad_loss | nonfinite_rows(self.X.reshape(len(self.agents), -1), self._row_sums, todo)
         new = bad & (self._nonfinite[:, 0] == 0)
         self._nonfinite[new, 0] = self.k
         self._nonfinite[new, 1] = (~bad_loss[new]).double()

@@ -7,7 +7,13 @@ Two strategies with identical numerics (to float rounding):
            of its row of the gradient stack G (backward accumulates in place:
            no copies in or out);
 ``vmap``   one function of the parameters, ``torch.func.grad`` of the loss
-           through ``functional_call``, vectorised over agents with ``torch.vmap``.
+           through ``functional_call``, vectorised over agents with ``torch.vmap``,
+           a block of agents at a time (:data:`VMAP_BLOCK_BYTES`); the batches
+           are stacked into buffers kept from step to step.
+
+Neither allocates anything N×P-sized in a step: G is filled in place, and
+what torch allocates afresh (a block's gradients and activations) is bounded
+by the block, not by N.
 
 Either strategy can clip each agent's gradient to a global norm c
 (``grad_clip``, 0: off) after computing it: row j of G becomes
@@ -34,14 +40,18 @@ from ..models import has_convolutions, vmap_blockers
 from .streams import AgentRNG
 
 __all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "choose_strategy", "clip_rows_",
-           "make_strategy"]
+           "make_strategy", "nonfinite_rows"]
 
 #: the names ``strategy=`` takes
 STRATEGIES = ("auto", "loop", "vmap")
 
 
 #: ``vmap`` computes the gradients of this many bytes of parameter rows at a time (a block of agents),
-#: so its temporaries (the gradients it returns, the activations) stay bounded at any N
+#: so its temporaries (the gradients it returns, the activations) stay bounded at any N. torch.func
+#: returns them as fresh tensors (copied into G, then freed): one block's are alive at a time, each
+#: below glibc's largest dynamic mmap threshold (32 MiB), so after the first step malloc reuses the
+#: memory it holds instead of mapping (and the kernel zeroing) fresh pages every step. Smaller blocks
+#: cost more per agent (vmap's fixed cost per call), larger ones no less (benchmarks/scale.py's MLP).
 VMAP_BLOCK_BYTES = 1 << 25
 
 
@@ -57,6 +67,28 @@ def clip_rows_(G: torch.Tensor, max_norm: float) -> torch.Tensor:
         norms = torch.linalg.vector_norm(G, dim=1, keepdim=True)
         G.mul_(torch.where(norms > max_norm, max_norm / norms, torch.ones_like(norms)))
     return G
+
+
+def nonfinite_rows(X: torch.Tensor, sums: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Which rows of the L×P stack ``X`` hold a NaN or an infinity: a bool L-vector on the CPU.
+
+    One read of X into ``sums`` (an L-vector the caller keeps, float32 or wider) and no L×P
+    temporaries, as ``torch.isfinite(X)`` would make: a finite row sum proves a finite row (a NaN
+    makes the sum NaN, an infinity makes it infinite or NaN), and only a row whose sum is not finite
+    (non-finite entries, or finite ones whose sum overflows) is checked entry by entry. ``rows``
+    (a bool L-vector) restricts the answer to those rows (the others are False).
+
+    >>> X = torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3e38, 3e38], [float("inf"), -float("inf")]])
+    >>> nonfinite_rows(X, torch.empty(4)).tolist()
+    [False, True, False, True]
+    """
+    torch.sum(X, dim=1, dtype=sums.dtype, out=sums)
+    suspect = ~torch.isfinite(sums).cpu()
+    if rows is not None:
+        suspect &= rows
+    for i in suspect.nonzero().flatten().tolist():  # rare: a diverging run, once per agent
+        suspect[i] = not bool(torch.isfinite(X[i]).all())
+    return suspect
 
 
 def choose_strategy(strategy: str, template: nn.Module, *, exact: bool = False) -> str:
@@ -147,31 +179,47 @@ class VmapGradients(GradientStrategy):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._grad = vmap(grad_and_value(self._loss))
+        self._batch_buffers: list[torch.Tensor] = []  # the stacked inputs and targets, kept from step to step
 
     def _loss(self, params, xb, yb):
         return self.loss_fn(functional_call(self.models[0], params, (xb,)), yb)
+
+    def _stacked(self, batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active agents' batches stacked into buffers kept from step to step (no fresh allocation)."""
+        stacked = []
+        for k, part in enumerate(zip(*batches)):
+            first = part[0]
+            shape = (len(part), *first.shape)
+            buf = self._batch_buffers[k] if k < len(self._batch_buffers) else None
+            if buf is None or buf.shape != shape or buf.dtype != first.dtype or buf.device != first.device:
+                buf = first.new_empty(shape)
+                self._batch_buffers[k:k + 1] = [buf]
+            stacked.append(torch.stack(part, out=buf))
+        return stacked[0], stacked[1]
 
     def _gradients(self, active, batches):
         G, views = self.G, self.layout.views
         if not active:  # no agent held here takes part in this step (FedAvg)
             G.zero_()
             return torch.zeros(0)
-        xb, yb = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+        xb, yb = self._stacked(batches)
         every = len(active) == self.X.shape[0]  # every row is overwritten
         if not every:
             G.zero_()
+        G_views = views(G)  # each parameter's (L, *shape) view of G
         losses = []
-        block = max(1, VMAP_BLOCK_BYTES // (self.X.shape[1] * self.X.element_size()))
+        block = max(1, VMAP_BLOCK_BYTES // (self.X.shape[1] * self.X.element_size()))  # agents per vmap call
         for b0 in range(0, len(active), block):  # a block of agents at a time: bounded temporaries
             b1 = min(len(active), b0 + block)
             rows = slice(b0, b1) if every else torch.tensor(active[b0:b1], device=self.X.device)
             g, loss = self._grad(views(self.X[rows]), xb[b0:b1], yb[b0:b1])
-            if every:
-                for name, v in views(G[rows]).items():
-                    v.copy_(g[name])
-            else:
-                G[rows] = torch.cat([g[name].reshape(b1 - b0, -1) for name in self.layout.names], dim=1)
+            for name, v in G_views.items():
+                if every:
+                    v[rows].copy_(g[name])
+                else:
+                    v.index_copy_(0, rows, g[name])
             losses.append(loss.detach())
+            del g  # before the next block's: one block of temporaries alive at a time (see VMAP_BLOCK_BYTES)
         return torch.cat(losses)
 
     def outputs(self, flats, model_ids, xb):
