@@ -70,7 +70,7 @@ from . import state as checkpoint_state
 from .agents import build_agents, held_mixer
 from .gradients import STRATEGIES, make_strategy, nonfinite_rows
 from .reducer import Reducer
-from .streams import AgentRNG, BatchStream
+from .streams import AgentRNG, BatchStream, gather
 
 __all__ = ["INITS", "Diverged", "Executor", "SimulationResult", "Simulator", "simulate"]
 
@@ -212,7 +212,7 @@ class Executor:
             def batch_stream(j, gen):
                 return BatchStream(len(shards[j][1]), self.batch_size, gen)
         self.streams = [batch_stream(j, generator(self.seed, j, "data")) for j in self.agents]
-        self.augment = augment
+        self.augment, self._kept_batches = augment, {}
         self._augment_gens = [generator(self.seed, j, "augment") for j in self.agents] if augment else None
         mean_shard = sum(len(y) for _, y in shards) / n
         self.steps_per_epoch = (max(1, math.ceil(mean_shard / self.batch_size)) if steps_per_epoch is None
@@ -256,13 +256,11 @@ class Executor:
     # ------------------------------------------------------------------- step
 
     def _batches(self, active: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The next training batch of each active held agent (augmented on its own stream)."""
+        """The next training batch of each active held agent (into buffers kept for it; augmented on its own stream)."""
         batches = []
         for i in active:
-            idx = self.streams[i].next()
-            x, y = self.shards[i]
-            xb = x[idx] if self.augment is None else self.augment(x[idx], self._augment_gens[i])
-            batches.append((xb, y[idx]))
+            xb, yb = gather(*self.shards[i], self.streams[i].next(), self._kept_batches, i)
+            batches.append((xb if self.augment is None else self.augment(xb, self._augment_gens[i]), yb))
         return batches
 
     def step(self) -> float:

@@ -14,7 +14,7 @@ import torch
 
 from ..base.seeding import derive_seed
 
-__all__ = ["AgentRNG", "BatchStream"]
+__all__ = ["AgentRNG", "BatchStream", "gather"]
 
 
 class BatchStream:
@@ -103,3 +103,19 @@ class AgentRNG:
         finally:
             self.states[i] = self._get()
             self._set(saved)
+
+
+def gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, kept: dict, key) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x[idx], y[idx]) written into buffers kept in ``kept`` under (``key``, batch size), reused every step.
+
+    A fresh batch per agent and step (N of them) made the allocator hand
+    pages back to the kernel and take zeroed ones again, step after step;
+    a stream of equal batches now allocates nothing. The result is valid
+    until the next gather of the same key and size.
+    """
+    k = (key, len(idx))
+    if k not in kept:
+        kept[k] = (x.new_empty((len(idx), *x.shape[1:])), y.new_empty((len(idx), *y.shape[1:])))
+    bx, by = kept[k]
+    idx = idx.to(x.device)
+    return torch.index_select(x, 0, idx, out=bx), torch.index_select(y, 0, idx.to(y.device), out=by)
