@@ -26,6 +26,7 @@ runs) is ``python -m pytest``.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import multiprocessing.process
 import pathlib
@@ -75,13 +76,25 @@ def _is_test_code(obj) -> bool:
 _TEST_NAMES: dict[str, object] = {}
 
 
+def _index_module(m) -> None:
+    for name, value in vars(m).items():
+        if (inspect.isfunction(value) or isinstance(value, type)) and _is_test_code(value):
+            _TEST_NAMES.setdefault(name, value)
+
+
 def _index_test_modules() -> None:
     """Fill :data:`_TEST_NAMES`, for helpers a test imports inside its body from another test module."""
     for m in list(sys.modules.values()):
         if pathlib.Path(getattr(m, "__file__", None) or "/").resolve().parent == _TESTS:
-            for name, value in vars(m).items():
-                if (inspect.isfunction(value) or isinstance(value, type)) and _is_test_code(value):
-                    _TEST_NAMES.setdefault(name, value)
+            _index_module(m)
+
+
+def _index_imported_test_modules(names) -> None:
+    """Index the test modules a function imports in its body (``from test_runtime_run import run_pair``),
+    also when collection did not import them (a run of one file)."""
+    for name in names:
+        if name.startswith("test_") and name not in sys.modules and (_TESTS / f"{name}.py").is_file():
+            _index_module(importlib.import_module(name))
 
 
 def _refers(obj, seen: set[int]) -> tuple[set[str], list[str]]:
@@ -119,6 +132,7 @@ def _refers(obj, seen: set[int]) -> tuple[set[str], list[str]]:
         modules |= set(c.co_names) & _PROCESS_MODULES
         if set(c.co_names) & _PROCESS_FUNCTIONS:
             modules.add("subprocess")
+        _index_imported_test_modules(c.co_names)
         for name in c.co_names:
             value = g.get(name)
             if value is None:  # imported inside the function, from another test module perhaps

@@ -97,3 +97,25 @@ def test_hidden_process_start():
     result = pytester.runpytest_inprocess("-q")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*test_hidden_process_start starts a process but is not marked 'dist'*"])
+
+
+def test_a_helper_imported_from_a_test_module_not_collected_still_marks_dist(pytester):
+    """Running one file: a helper it imports in a test's body from another test module is read too."""
+    _suite(pytester, '''
+def test_through_another_module():
+    from test_tier_helpers_elsewhere import start_pair
+    start_pair()
+
+
+def test_plain():
+    assert True
+''')
+    pytester.makepyfile(test_tier_helpers_elsewhere='''
+import subprocess
+
+
+def start_pair():
+    return subprocess.run(["true"])
+''')
+    fast = pytester.runpytest_inprocess("--co", "-q", "-m", "not dist", "test_sample.py")
+    fast.stdout.fnmatch_lines(["test_sample.py::test_plain", "1/2 tests collected (1 deselected)*"])
