@@ -298,6 +298,23 @@ def test_groups_of_decentralized_optimizer_share_lr_and_leave_the_rule_its_own()
         opt.step()
 
 
+def test_a_scheduled_lr_may_reach_zero_but_not_below_nor_infinity_and_groups_check_nesterov():
+    a = torch.nn.Parameter(torch.ones(2, dtype=F64))
+    opt = DecentralizedOptimizer([a], Alone(), "dsgt", lr=0.1)
+    a.grad = torch.ones(2, dtype=F64)
+    opt.param_groups[0]["lr"] = 0.0  # a scheduler's last step: no move
+    opt.step()
+    assert a.tolist() == [1.0, 1.0]
+    for bad in (-0.1, float("inf"), "0.1"):
+        opt.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match=r"lr in param_groups must be (a finite number >= 0|a number)"):
+            opt.step()
+    m = CDMSGD([a], Alone(), lr=0.1)
+    with pytest.raises(ValueError, match="nesterov must be true or false, got 'yes'"):
+        m.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1, dtype=F64))], "nesterov": "yes"})
+    assert len(m.param_groups) == 1
+
+
 def test_add_param_group_is_refused_while_an_exchange_is_in_flight_or_for_another_dtype():
     a = torch.nn.Parameter(torch.zeros(2, dtype=F64))
     for opt in (CDSGD([a], Alone(), lr=0.1), DecentralizedOptimizer([a], Alone(), "dsgt", lr=0.1)):

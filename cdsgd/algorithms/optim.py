@@ -43,13 +43,11 @@ Example (an agent alone: Π = [1], so a step is plain SGD)::
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Callable
 
 import torch
 
-from ..base.checks import check_lr, check_momentum, check_weight_decay
+from ..base.checks import SCHEDULED_LR, check_lr, check_momentum, check_nesterov, check_weight_decay
 from ..base.flat import flatten, unflatten
 from ..mixers import Mixer, check_mixer
 from .factory import algorithm_params, make_algorithm
@@ -222,17 +220,14 @@ class CDMSGD(_ConsensusOptimizer):
 
     def __init__(self, params, mixer: Mixer, *, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0) -> None:
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"nesterov must be true or false, got {nesterov!r}")
-        defaults = {"lr": check_lr(lr), "momentum": check_momentum(momentum), "nesterov": nesterov,
+        defaults = {"lr": check_lr(lr), "momentum": check_momentum(momentum), "nesterov": check_nesterov(nesterov),
                     "weight_decay": check_weight_decay(weight_decay)}
         super().__init__(params, defaults, mixer)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
         check_momentum(group["momentum"])
-        if not isinstance(group["nesterov"], bool):
-            raise ValueError(f"nesterov must be true or false, got {group['nesterov']!r}")
+        check_nesterov(group["nesterov"])
 
     def _update(self, p, mixed, g, group):
         state = self.state[p]
@@ -340,9 +335,7 @@ class DecentralizedOptimizer(_FlatOptimizer):
                 raise ValueError(f"DecentralizedOptimizer updates the flat vector of all groups with one rule, so "
                                  f"every group must have the same {key}; got {seen}")
             values[key] = seen[0]
-        lr = values["lr"]
-        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 <= lr < math.inf:
-            raise ValueError(f"lr in param_groups must be a finite number >= 0, got {lr!r}")
+        SCHEDULED_LR.check("lr in param_groups", values["lr"])
         if "momentum" in values:
             values["momentum"] = check_momentum(values["momentum"])
         return values

@@ -59,7 +59,7 @@ import torch
 from topologies import TOL, Registry, validate
 
 from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
-                           check_weight_decay)
+                           check_nesterov, check_weight_decay)
 from ..base.seeding import derive_seed
 from ..mixers import Handle, Mixer, is_schedule, is_sparse
 
@@ -295,9 +295,7 @@ def _direction(G: torch.Tensor, state: dict, momentum: float, nesterov: bool) ->
 class _MomentumMixin:
     def _init_momentum(self, momentum: float, nesterov: bool) -> None:
         self.momentum = check_momentum(momentum)
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"nesterov must be true or false, got {nesterov!r}")
-        self.nesterov = nesterov
+        self.nesterov = check_nesterov(nesterov)
 
     def init_state(self, X: torch.Tensor) -> dict:
         return {"momentum": torch.zeros_like(X)}

@@ -39,8 +39,8 @@ from typing import Any, Iterable
 
 from topologies import unknown_name_error
 
-__all__ = ["FEDAVG_FRACTION", "LR", "LR_POWER", "LR_SCHEDULES", "LR_TAU", "MOMENTUM", "WEIGHT_DECAY", "Bounds",
-           "Choices", "check_choice", "check_int", "check_lr", "check_momentum", "check_number",
+__all__ = ["FEDAVG_FRACTION", "LR", "LR_POWER", "LR_SCHEDULES", "LR_TAU", "MOMENTUM", "SCHEDULED_LR", "WEIGHT_DECAY",
+           "Bounds", "Choices", "check_choice", "check_int", "check_lr", "check_momentum", "check_nesterov", "check_number",
            "check_weight_decay"]
 
 
@@ -132,6 +132,8 @@ class Choices:
 # The algorithms' hyperparameters (cdsgd.algorithms.make_algorithm, the torch.optim classes, the config keys).
 #: step size α: finite and > 0
 LR = Bounds(low=0, low_open=True, finite=True)
+#: the lr a torch scheduler may set in an optimizer's param_groups: finite and >= 0 (annealed to 0 at the end)
+SCHEDULED_LR = Bounds(low=0, finite=True)
 #: momentum μ: in [0, 1)
 MOMENTUM = Bounds(low=0, high=1, high_open=True)
 #: L2 coefficient λ: finite and >= 0
@@ -154,6 +156,13 @@ def check_lr(lr: Any) -> float:
 def check_momentum(momentum: Any) -> float:
     """A momentum μ as a float, within :data:`MOMENTUM`."""
     return float(MOMENTUM.check("momentum", momentum))
+
+
+def check_nesterov(nesterov: Any) -> bool:
+    """``nesterov`` if it is True or False (the Nesterov form of momentum, or heavy ball)."""
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov must be true or false, got {nesterov!r}")
+    return nesterov
 
 
 def check_weight_decay(wd: Any) -> float:
