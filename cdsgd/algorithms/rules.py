@@ -60,6 +60,7 @@ from topologies import TOL, Registry, validate
 
 from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
                            check_nesterov, check_weight_decay)
+from ..base.flat import kept
 from ..base.seeding import derive_seed
 from ..mixers import Handle, Mixer, is_schedule, is_sparse
 
@@ -252,11 +253,7 @@ class Algorithm:
 
     def _scratch(self, X: torch.Tensor, name: str) -> torch.Tensor:
         """A buffer like X that this rule owns (a mixing's ``out=``): allocated once, reused every step."""
-        buffers = self.__dict__.setdefault("_buffers", {})
-        key = (name, tuple(X.shape), X.dtype, X.device)
-        if key not in buffers:
-            buffers[key] = torch.empty_like(X, memory_format=torch.contiguous_format)
-        return buffers[key]
+        return kept(self.__dict__.setdefault("_buffers", {}), name, X.shape, X)
 
     def start(self, X: torch.Tensor, state: dict, mixer: Mixer):
         """Post the exchanges of step k that need nothing but the pre-gradient state (``mixes_params``)."""

@@ -4,7 +4,9 @@ Everything that exchanges or stacks parameters works on flat vectors: the
 executor's N×P stack, the torch.optim classes' exchange buffer, the MGRIT
 gradient all-reduce. :func:`flatten` packs, :func:`unflatten` gives views
 in the original shapes, :class:`ParamLayout` remembers a module's names,
-shapes and offsets.
+shapes and offsets. :func:`kept` is the one cache of work buffers that a
+step reuses instead of allocating (the rules' mixing outputs, the mixer's
+scratch, the agents' batches).
 
     >>> a, b = torch.ones(2, 2), torch.zeros(3)
     >>> flat = flatten([a, b]); flat.tolist()
@@ -21,7 +23,26 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ParamLayout", "flatten", "unflatten"]
+__all__ = ["ParamLayout", "flatten", "kept", "unflatten"]
+
+
+def kept(store: dict, key, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A buffer of ``shape`` with ``like``'s dtype and device, made on the first request and kept in ``store``.
+
+    The same (``key``, shape, dtype, device) gives the same memory every time,
+    so a steady state allocates nothing; the caller owns what the buffer holds
+    between requests.
+
+    >>> store, x = {}, torch.zeros(3)
+    >>> kept(store, "out", (2, 3), x) is kept(store, "out", (2, 3), x), kept(store, "out", (4,), x).shape
+    (True, torch.Size([4]))
+    """
+    shape = tuple(shape)
+    k = (key, shape, like.dtype, like.device)
+    buf = store.get(k)
+    if buf is None:
+        buf = store[k] = like.new_empty(shape)
+    return buf
 
 
 def flatten(tensors: Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..base.flat import kept as kept_buffer
 from ..base.seeding import derive_seed
 
 __all__ = ["AgentRNG", "BatchStream", "gather"]
@@ -105,17 +106,16 @@ class AgentRNG:
             self._set(saved)
 
 
-def gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, kept: dict, key) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x[idx], y[idx]) written into buffers kept in ``kept`` under (``key``, batch size), reused every step.
+def gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, store: dict, key) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x[idx], y[idx]) written into buffers kept in ``store`` under (``key``, batch size), reused every step
+    (:func:`cdsgd.base.flat.kept`).
 
     A fresh batch per agent and step (N of them) made the allocator hand
     pages back to the kernel and take zeroed ones again, step after step;
     a stream of equal batches now allocates nothing. The result is valid
     until the next gather of the same key and size.
     """
-    k = (key, len(idx))
-    if k not in kept:
-        kept[k] = (x.new_empty((len(idx), *x.shape[1:])), y.new_empty((len(idx), *y.shape[1:])))
-    bx, by = kept[k]
-    idx = idx.to(x.device)
-    return torch.index_select(x, 0, idx, out=bx), torch.index_select(y, 0, idx.to(y.device), out=by)
+    bx = kept_buffer(store, ("inputs", key), (len(idx), *x.shape[1:]), x)
+    by = kept_buffer(store, ("targets", key), (len(idx), *y.shape[1:]), y)
+    return (torch.index_select(x, 0, idx.to(x.device), out=bx),
+            torch.index_select(y, 0, idx.to(y.device), out=by))

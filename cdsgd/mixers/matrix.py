@@ -9,7 +9,9 @@ import torch
 
 import topologies
 
-from .base import Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_weighted_sum, result_tensor
+from ..base.flat import kept
+from .base import (Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_weighted_sum,
+                   result_tensor)
 
 __all__ = ["BLOCK_BYTES", "DENSE_FRACTION", "MatrixMixer", "PAD_LIMIT"]
 
@@ -166,12 +168,7 @@ class MatrixMixer(Mixer):
 
     def _buffer(self, X: torch.Tensor, purpose: str, shape=None) -> torch.Tensor:
         """A preallocated scratch tensor (internal: consumed within the call that asks for it)."""
-        shape = tuple(X.shape) if shape is None else tuple(shape)
-        key = (purpose, shape, X.dtype, X.device)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = X.new_empty(shape)
-        return buf
+        return kept(self._buffers, purpose, X.shape if shape is None else shape, X)
 
     def _check(self, X: torch.Tensor) -> None:
         if X.dim() < 1 or X.shape[0] != self.n_agents:
