@@ -28,6 +28,7 @@ from .spectral import (EFFECTIVE_DECAY, SPARSE_EIGEN_FROM, SpectralGap, effectiv
                        smallest_eigenvalue, spectral_gap)
 from .registry import Registry, unknown_name_error
 from .schedules import SCHEDULES, Schedule, schedule, schedule_params
+from .trees import graph_of, is_tree, spanning_tree
 
 __all__ = [
     "BUILDERS",
@@ -48,13 +49,16 @@ __all__ = [
     "effective_neighbours",
     "format_gap",
     "graph_and_mixing",
+    "graph_of",
     "is_graph_file",
+    "is_tree",
     "load",
     "mixing_matrix",
     "resolve",
     "schedule",
     "schedule_params",
     "smallest_eigenvalue",
+    "spanning_tree",
     "spectral_gap",
     "unknown_name_error",
     "validate",

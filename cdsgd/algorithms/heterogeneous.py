@@ -106,7 +106,7 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
 
     name, traffic, mixes_params, vectors_per_step = "dsgt", "neighbours", True, 2
 
-    def init_state(self, X: torch.Tensor) -> dict:
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
         return {"tracker": torch.zeros_like(X), "previous_gradient": torch.zeros_like(X), **self._momentum_state(X)}
 
     def start(self, X, state, mixer):
@@ -136,7 +136,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
 
     name, traffic = "d2", "neighbours"
 
-    def init_state(self, X: torch.Tensor) -> dict:
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
         return {"previous_params": X.detach().clone(), "previous_update": torch.zeros_like(X),
                 "half_step": torch.zeros_like(X), **self._momentum_state(X)}
 
@@ -178,7 +178,7 @@ class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
         super().__init__(**common)
         self._init_momentum(momentum, nesterov)
 
-    def init_state(self, X: torch.Tensor) -> dict:
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
         return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X), "half_step": torch.zeros_like(X)}
 
     def update(self, X, G, state, *, k, mixer, mixed=None):

@@ -312,7 +312,7 @@ class DecentralizedOptimizer(_FlatOptimizer):
         self._X = flatten(self._params()).unsqueeze(0)
         self._G = torch.zeros_like(self._X)
         algorithm.bind(n_agents=mixer.n_agents, steps_per_epoch=1, seed=0)
-        self.rule_state = algorithm.init_state(self._X)
+        self.rule_state = algorithm.init_state(self._X, mixer=mixer)
         self.k = 0
         self._built = True
 
@@ -343,7 +343,7 @@ class DecentralizedOptimizer(_FlatOptimizer):
     def _resize(self) -> None:
         """Grow the flat row and the rule's state to the parameters of all groups (new entries: the rule's start)."""
         X = flatten(self._params()).unsqueeze(0)
-        fresh = self.algorithm.init_state(X)
+        fresh = self.algorithm.init_state(X, mixer=self.mixer)
         for name, old in self.rule_state.items():
             if fresh[name].shape != old.shape:  # a per-parameter row (not the push-sum weight)
                 fresh[name][..., :old.shape[-1]].copy_(old)

@@ -62,7 +62,7 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
     name, traffic = "sgp", "neighbours"
     column_stochastic = True
 
-    def init_state(self, X: torch.Tensor) -> dict:
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
         return {"weight": torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device),
                 "numerator": torch.zeros_like(X), **self._momentum_state(X)}
 

@@ -205,7 +205,19 @@ class Algorithm:
         self.n_agents, self.steps_per_epoch, self.seed = n_agents, steps_per_epoch, seed
         return self
 
-    def init_state(self, X: torch.Tensor) -> dict:
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+        """The rule's per-agent state for the stack X (tensors only: checkpoints save them).
+
+        ``mixer`` (the one the rule will mix with) sizes per-edge state (RelaySum's messages).
+        """
+        return {}
+
+    def prepare(self, mixer, X: torch.Tensor) -> list[str]:
+        """Work the rule does once before its first step (CHOCO's γ tuning); returns what to tell the user."""
+        return []
+
+    def summary(self) -> dict:
+        """What the rule chose or built, for summary.json (e.g. ``consensus_step_used``)."""
         return {}
 
     def participants(self, k: int) -> torch.Tensor | None:
@@ -294,7 +306,7 @@ class _MomentumMixin:
         self.momentum = check_momentum(momentum)
         self.nesterov = check_nesterov(nesterov)
 
-    def init_state(self, X: torch.Tensor) -> dict:
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
         return {"momentum": torch.zeros_like(X)}
 
 

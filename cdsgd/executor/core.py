@@ -219,7 +219,7 @@ class Executor:
                                 else check_int("steps_per_epoch", steps_per_epoch))
         self.rng = AgentRNG(self.seed, self.agents, self.device)
         algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
-        self.state = algorithm.init_state(self.X)
+        self.state = algorithm.init_state(self.X, mixer=self.mixer)
         self._G = torch.zeros_like(self.X)
         self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, self._G, loss_fn, self.rng,
                                        grad_clip=grad_clip)

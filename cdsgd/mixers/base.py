@@ -169,6 +169,20 @@ class Mixer(abc.ABC):
         """The mixer of step k (a time-varying :class:`ScheduleMixer` has one per step of its period)."""
         return self
 
+    @property
+    def edges(self):
+        """The held agents' directed edges (i, l), an E×2 int64 array sorted by i then l (:mod:`cdsgd.mixers.edges`)."""
+        raise NotImplementedError(f"mixer {type(self).__name__} has no per-edge messages (edges/exchange); "
+                                  "MatrixMixer and the runtime's BlockMixer have them")
+
+    def exchange(self, M: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
+        """Per-edge messages: M[e] goes along e = (i, l) of :attr:`edges`; ``wait()`` gives R, R[e] = what l sent i.
+
+        See :mod:`cdsgd.mixers.edges`. A new tensor, or ``out`` (like M, not overlapping it).
+        """
+        raise NotImplementedError(f"mixer {type(self).__name__} has no per-edge messages (edges/exchange); "
+                                  "MatrixMixer and the runtime's BlockMixer have them")
+
 
 def check_mixer(mixer) -> Mixer:
     """Check that ``mixer`` provides what executors and optimizers use; returns it.

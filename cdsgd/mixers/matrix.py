@@ -10,6 +10,7 @@ import torch
 import topologies
 
 from ..base.flat import kept
+from .edges import edge_list
 from .base import (Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_weighted_sum,
                    result_tensor)
 
@@ -100,6 +101,7 @@ class MatrixMixer(Mixer):
         self._rows_cache: list[tuple[list[float], list[int]]] | None = None
         self._tensors: dict[tuple, object] = {}
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._edge_list: np.ndarray | None = None
 
     # ------------------------------------------------------------ structure
 
@@ -217,6 +219,31 @@ class MatrixMixer(Mixer):
                 ordered_weighted_sum(weights, [X[l] for l in src], out[j])
         else:
             self.product(X.reshape(self.n_agents, -1), out.view(self.n_agents, -1))
+        return Handle(out)
+
+    @property
+    def edges(self) -> np.ndarray:
+        """Every directed edge (i, l) of the graph, sorted (:mod:`cdsgd.mixers.edges`; the complete graph for 11ᵀ/N)."""
+        if self._edge_list is None:
+            S = self._csr if self._csr is not None else np.ones((self.n_agents,) * 2)
+            self._edge_list = edge_list(S, self.agents)
+        return self._edge_list
+
+    def exchange(self, M: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
+        """Per-edge messages in one gather: R[(i, l)] = M[(l, i)] (:mod:`cdsgd.mixers.edges`)."""
+        E = len(self.edges)
+        if M.dim() < 1 or M.shape[0] != E:
+            raise ValueError(f"exchange takes one message per edge ({E}×…), got shape {tuple(M.shape)}")
+        out = result_tensor(M, out, "exchange")
+        key = ("reverse", M.device)
+        if key not in self._tensors:
+            position = {(int(i), int(l)): e for e, (i, l) in enumerate(self.edges)}
+            self._tensors[key] = torch.as_tensor([position[(int(l), int(i))] for i, l in self.edges],
+                                                 dtype=torch.int64, device=M.device)
+            self._tensors[("out-degree",)] = torch.as_tensor(np.bincount(self.edges[:, 0], minlength=self.n_agents),
+                                                            dtype=torch.float64)
+        torch.index_select(M, 0, self._tensors[key], out=out)
+        self.bytes_sent += self._tensors[("out-degree",)] * (_numel_per_agent(M) * M.element_size())
         return Handle(out)
 
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,

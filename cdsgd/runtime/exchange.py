@@ -53,6 +53,7 @@ import torch.distributed as dist
 import topologies
 
 from ..base.comm import exchange, wait
+from .edges import EdgeMessages
 from ..mixers import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
                       ordered_weighted_sum, result_tensor)
 
@@ -132,7 +133,7 @@ class _BlockHandle(Handle):
         return self.out.view(self.shape)
 
 
-class BlockMixer(Mixer):
+class BlockMixer(EdgeMessages, Mixer):
     """Σ_l π_jl x_l for the block of agents this rank holds, exchanging only the cut edges' rows.
 
     Args:
