@@ -137,6 +137,13 @@ class Config:
                            note=" (0 means all/off)", unset=0)
     local_epochs: int = key(1, "fedavg: local epochs per round", low=1, overridden_by="local_steps")
     fedavg_fraction: float = key(1.0, "fedavg: fraction of agents sampled per round", bounds=FEDAVG_FRACTION)
+    # --- communication-constrained rules (docs/algorithms.md: choco, relaysum)
+    compression: str = key("none", "choco: what each message is compressed with: none | top_k | random_k | sign | "
+                           "qsgd (docs/algorithms.md gives each one's bytes)", registry="compression", identity=True)
+    compression_params: dict = key({}, "compressor options, e.g. {ratio = 0.01} (top_k, random_k), "
+                                   "{levels = 16} (qsgd)")
+    consensus_step: float | str = key("auto", "choco: the consensus step γ in (0, 1], or \"auto\": tuned before "
+                                      "training on a simulated consensus problem (the run says what it chose)")
     init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))
     strategy: str = key("auto", "simulator strategy: auto | loop | vmap", choices=("auto", "loop", "vmap"))
     exact: bool = key(False, "mix with ordered multiply-adds (as the runtime's exact mode)")
@@ -168,7 +175,7 @@ class Config:
 
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
-_PY = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict}
+_PY = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "float | str": (float, str)}
 _META = {f.name: f.metadata for f in dataclasses.fields(Config)}
 
 #: keys that may differ between a run and its resumption (where and how, not what, is computed)
@@ -223,12 +230,12 @@ def _check_key(key: str) -> None:
 def _coerce(key: str, value: Any) -> Any:
     """``value`` as the type of ``key``, or a ValueError naming both."""
     want = _PY[_TYPES[key]]
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
+    if (want is float or want == (float, str)) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         got = type(value).__name__
         raise ValueError(f"config key {key!r} must be {_TYPES[key]}, got {value!r} ({got})")
-    if want is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"config key {key!r} must be a finite number, got {value!r}")
     return value
 

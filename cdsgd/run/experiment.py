@@ -314,6 +314,10 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         + (f", checkpoint every {every} steps" if every else ""))
     for note in parts.plan.notes:
         log(f"warning: {note}")
+    for line in sim.algorithm.prepare(sim.mixer.at(sim.k), sim.X):  # e.g. CHOCO's consensus_step="auto"
+        log(line)
+    if getattr(parts.plan.algorithm, "needs_tree", False):
+        summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in parts.plan.graph.edges())
     eval_steps = cfg.eval_every * sim.steps_per_epoch
     shown = Progress(total=total, every=eval_steps, mode=mode, log=log, initial=sim.k,
                      timing=lambda: (sim._wall, sim.eval_seconds, len(rows)))  # all cumulative from step 0
@@ -403,6 +407,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             summary["total_seconds"] = before + time.perf_counter() - started
             summary["eval_bytes_per_agent"] = int(round(sim.reducer.bytes))
             summary["bytes_across_processes"] = sim.bytes_across_processes
+            summary.update(sim.algorithm.summary())
             if writer:
                 atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     finally:

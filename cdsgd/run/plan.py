@@ -40,6 +40,7 @@ import torch
 import topologies
 
 from ..algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
+from ..algorithms.compression import COMPRESSORS
 from ..base.compat import item_as_attribute
 from ..base.seeding import generator
 from ..config import Config, check_ranges, key_info
@@ -54,7 +55,7 @@ __all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "baseline_gap", "hyperpa
 #: the registries that hold the allowed names of config keys declared with ``registry=``
 #: (a ``model`` or ``dataset`` holding a ':' is imported instead: :data:`IMPORTABLE`)
 REGISTRIES = {"algorithm": ALGORITHMS, "mixing": topologies.RULES, "dataset": DATASETS, "partition": PARTITIONS,
-              "model": MODELS, "bucket_rule": BUCKET_RULES}
+              "model": MODELS, "bucket_rule": BUCKET_RULES, "compression": COMPRESSORS}
 #: registries whose names may also be ``"package.module:callable"`` (the user's own model or data set)
 IMPORTABLE = ("model", "dataset")
 
@@ -156,11 +157,15 @@ def validate_config(cfg: Config) -> Plan:
                          "from the bucket of the step, which a filled batch would straddle")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
+    _check_compression(cfg)
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     if uses_graph(algorithm):
         # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
         G, W = plan_topology(cfg)
+        if getattr(algorithm, "needs_tree", False):  # relaysum: a spanning tree of the topology
+            G = topologies.spanning_tree(G)
+            W = topologies.mixing_matrix(G, "metropolis", sparse=G.number_of_nodes() > topologies.DENSE_UP_TO)
         algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
         gap = topologies.spectral_gap(W)
     else:  # all-reduce or no communication: topology, topology_params and mixing are not used
@@ -172,6 +177,16 @@ def validate_config(cfg: Config) -> Plan:
                             sample=data.train[0][:2])
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=gap, algorithm=algorithm, data=data,
                 notes=_notes(cfg, G, algorithm))
+
+
+def _check_compression(cfg: Config) -> None:
+    """Refuse a compressor (or its options) given to an algorithm that sends full vectors."""
+    takes = "compression" in algorithm_params(cfg.algorithm)
+    given = [k for k in ("compression", "compression_params") if getattr(cfg, k) != key_info(k)["default"]]
+    if given and not takes:
+        users = ", ".join(a for a in ALGORITHMS if "compression" in algorithm_params(a))
+        raise ValueError(f"{given[0]}={getattr(cfg, given[0])!r} needs an algorithm that sends compressed "
+                         f"messages ({users}); algorithm={cfg.algorithm!r} sends full vectors")
 
 
 def uses_graph(algorithm: Algorithm) -> bool:
@@ -225,7 +240,7 @@ def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm) -> list[str]:
     for name in ("bucket_sync", "bucket_fill"):
         if getattr(cfg, name) and cfg.bucketing <= 1:
             notes.append(f"{name}=true has no effect with bucketing={cfg.bucketing} (it needs bucketing > 1)")
-    for name in ("momentum", "nesterov"):
+    for name in ("momentum", "nesterov", "consensus_step"):
         if name not in algorithm_params(cfg.algorithm) and getattr(cfg, name) != key_info(name)["default"]:
             users = ", ".join(a for a in ALGORITHMS if name in algorithm_params(a))
             notes.append(f"{name}={getattr(cfg, name)!r} has no effect with algorithm={cfg.algorithm!r} "

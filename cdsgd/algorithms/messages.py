@@ -1,0 +1,235 @@
+r"""Rules that send per-edge messages: compressed gossip (``choco``) and RelaySum (``relaysum``).
+
+Both are written over :meth:`Mixer.exchange <cdsgd.mixers.Mixer.exchange>`
+(each agent sends a tensor along each of its edges, see
+:mod:`cdsgd.mixers.edges`), so the simulator and the runtime run the same
+code, and ``bytes_sent_per_agent`` counts the messages as they are: the
+compressed bytes, the relayed sums. Notation as in
+:mod:`cdsgd.algorithms.rules`; d(g) is the local momentum direction
+(``momentum`` β, Nesterov or heavy ball; β = 0: d = g).
+
+``choco``  CHOCO-SGD (Koloskova, Stich & Jaggi, "Decentralized stochastic
+           optimization and gossip algorithms with compressed communication",
+           ICML 2019; Koloskova, Lin, Stich & Jaggi, "Decentralized deep
+           learning with arbitrary communication compression", ICLR 2020,
+           Algorithm 2 with local momentum). Each agent j keeps a public copy
+           x̂_j of its parameters that its neighbours hold too, and
+           s_j = Σ_l w_jl x̂_l (the memory-efficient form: the neighbours'
+           copies enter only through this sum). With C the compressor
+           (``compression``, :mod:`cdsgd.algorithms.compression`) and γ the
+           consensus step (``consensus_step``):
+
+               x_j^{k+½} = x_j^k − α_k d(g_j(x_j^k))
+               q_j = C(x_j^{k+½} − x̂_j)                 (sent to every neighbour: its bytes)
+               x̂_j ← x̂_j + q_j,   s_j ← s_j + w_jj q_j + Σ_l w_jl q_l
+               x_j^{k+1} = x_j^{k+½} + γ (s_j − x̂_j)    (= x^{k+½} + γ Σ_l w_jl (x̂_l − x̂_j))
+
+           x̂ = s = 0 at the start. With ``compression="none"`` and γ = 1,
+           x̂ = x^{k+½} and the step is x ← W(x − α d): D-PSGD. C's
+           randomness (random_k, qsgd) at step k for agent j comes from the
+           seed (seed, "compression", j, k): nothing to checkpoint but x̂, s
+           and the momentum. ``consensus_step = "auto"`` (the default) tunes γ
+           before training on a simulated consensus problem on the same
+           graph, compressor and parameter count (:func:`tune_consensus_step`):
+           the reference code's grid search, on gossip instead of training runs.
+``relaysum``  RelaySGD (Vogels, He, Koloskova, Karimireddy, Lin, Stich &
+           Jaggi, "RelaySum for decentralized deep learning on heterogeneous
+           data", NeurIPS 2021, Algorithm 1, the model variant) on a
+           **spanning tree** (the run builds one: ``topologies.spanning_tree``).
+           Agent i sends each tree neighbour j the sum of its own half-step
+           and what its *other* neighbours sent it the step before, with the
+           number of agents that sum holds:
+
+               x_i^{k+½} = x_i^k − α_k d(g_i(x_i^k))
+               m_{i→j} = x_i^{k+½} + Σ_{l ∈ N(i)∖j} m_{l→i}^{k−1},   c_{i→j} = 1 + Σ_{l ∈ N(i)∖j} c_{l→i}^{k−1}
+               n_i = 1 + Σ_{j ∈ N(i)} c_{j→i},
+               x_i^{k+1} = (x_i^{k+½} + Σ_{j ∈ N(i)} m_{j→i} + (N − n_i) x_i^0) / N
+
+           (m, c = 0 before step 0). On a tree each agent's half-step reaches
+           every other agent exactly once, delayed by their distance: after
+           diam steps n_i = N and x_i is the average of the agents' delayed
+           models, without the spectral gap's slow mixing and unbiased by
+           heterogeneous data. The count travels with the message (one
+           element more per message).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import topologies
+
+from ..base.seeding import derive_seed
+from ..mixers import MatrixMixer, is_schedule
+from ..mixers.edges import edge_table
+from .compression import Compressor, make_compressor
+from .heterogeneous import _LocalMomentum
+from .rules import ALGORITHMS, Algorithm, _direction, with_weight_decay
+
+__all__ = ["CONSENSUS_STEPS", "ChocoAlgorithm", "RelaySumAlgorithm", "tune_consensus_step"]
+
+#: the grid ``consensus_step = "auto"`` searches (largest first: ties go to the larger step)
+CONSENSUS_STEPS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.035, 0.025, 0.018, 0.012, 0.008, 0.005)
+#: the simulated consensus problem of the tuning: this many gossip steps, on at most this many coordinates in all
+TUNE_STEPS, TUNE_ELEMENTS = 100, 1 << 18
+#: the tuning takes the largest γ whose consensus error is within this factor of the best one's
+TUNE_SLACK = 1.5
+
+
+def _seeds(seed: int, agents, k: int) -> list[int]:
+    return [derive_seed(seed, "compression", int(j), int(k)) for j in agents]
+
+
+def _choco_gossip(mixer, compressor: Compressor, X: torch.Tensor, Xhat: torch.Tensor, S: torch.Tensor,
+                  gamma: float, seeds: list[int]) -> torch.Tensor:
+    """One compressed gossip step on the held rows (X in place): the communication half of CHOCO-SGD."""
+    table = edge_table(mixer)
+    P = X[0].numel()
+    X2, Xhat2, S2 = X.view(len(seeds), -1), Xhat.view(len(seeds), -1), S.view(len(seeds), -1)
+    payload = compressor.encode(X2 - Xhat2, seeds)  # L×B bytes: one message per agent, the same to each neighbour
+    received = mixer.exchange(payload.index_select(0, table.senders(payload.device))).wait()  # E×B
+    q_self = compressor.decode(payload, P, X.dtype)
+    q_recv = compressor.decode(received, P, X.dtype)
+    Xhat2.add_(q_self)
+    S2.add_(table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=getattr(mixer, "exact", False)))
+    return X2.add_(S2 - Xhat2, alpha=gamma)
+
+
+def tune_consensus_step(W, compressor: Compressor, numel: int, *, seed: int = 0,
+                        steps: int = TUNE_STEPS) -> tuple[float, dict]:
+    """γ for CHOCO on mixing matrix ``W`` with ``compressor``: the grid value whose gossip comes closest to consensus.
+
+    The simulated problem: N agents start from independent standard normal
+    vectors of min(numel, TUNE_ELEMENTS / N) coordinates (seeded by ``seed``)
+    and run ``steps`` steps of CHOCO's gossip (no gradients); the score is
+    the remaining consensus error ‖X − X̄‖² / ‖X₀ − X̄₀‖². Returns (γ, {γ: score}).
+    """
+    mixer = MatrixMixer(W, validate=False)
+    n = mixer.n_agents
+    d = max(1, min(int(numel), TUNE_ELEMENTS // n))
+    X0 = torch.randn(n, d, generator=torch.Generator().manual_seed(derive_seed(seed, "consensus_step")),
+                     dtype=torch.float64)
+    start = float(((X0 - X0.mean(0)) ** 2).sum())
+    scores = {}
+    for gamma in CONSENSUS_STEPS:
+        X, Xhat, S = X0.clone(), torch.zeros_like(X0), torch.zeros_like(X0)
+        for k in range(steps):
+            _choco_gossip(mixer, compressor, X, Xhat, S, gamma, _seeds(seed, range(n), k))
+        err = float(((X - X.mean(0)) ** 2).sum()) / start
+        scores[gamma] = err if np.isfinite(err) else float("inf")
+    best = min(scores.values())
+    return next(g for g in CONSENSUS_STEPS if scores[g] <= TUNE_SLACK * best), scores
+
+
+def _check_static(name: str, W) -> None:
+    if is_schedule(W):
+        raise ValueError(f"algorithm {name!r} takes one fixed mixing matrix, not a time-varying schedule "
+                         f"({W.name})")
+
+
+@ALGORITHMS.register("choco")
+class ChocoAlgorithm(_LocalMomentum, Algorithm):
+    """CHOCO-SGD (module docstring): one compressed message per agent per step, sent to every neighbour."""
+
+    name, traffic = "choco", "neighbours"
+
+    def __init__(self, *, compression: str = "none", compression_params: dict | None = None,
+                 consensus_step: float | str = "auto", momentum: float = 0.0, nesterov: bool = True,
+                 **common) -> None:
+        super().__init__(momentum=momentum, nesterov=nesterov, **common)
+        self.compressor = make_compressor(compression, compression_params or {})
+        if consensus_step == "auto":
+            self.consensus_step = "auto"
+        elif (isinstance(consensus_step, (int, float)) and not isinstance(consensus_step, bool)
+              and 0 < consensus_step <= 1):
+            self.consensus_step = float(consensus_step)
+        else:
+            raise ValueError(f"consensus_step must be a number in (0, 1] or \"auto\", got {consensus_step!r}")
+        #: the γ in use (the tuned one when consensus_step="auto"; None until the first step tunes it)
+        self.gamma: float | None = None if self.consensus_step == "auto" else self.consensus_step
+        self.tuning: dict | None = None
+
+    def check_mixing(self, W) -> None:
+        _check_static(self.name, W)
+        super().check_mixing(W)
+
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+        return {"public": torch.zeros_like(X), "public_mixed": torch.zeros_like(X), **self._momentum_state(X)}
+
+    def prepare(self, mixer, X: torch.Tensor) -> list[str]:
+        """Tune γ now when it is ``"auto"`` (else at the first step); returns what to tell the user."""
+        if self.gamma is not None:
+            return []
+        W = getattr(getattr(mixer, "part_of", None) or mixer, "matrix", None)
+        if W is None:
+            raise ValueError("consensus_step=\"auto\" needs the mixer's matrix (mixer.matrix) to tune γ on; "
+                             "give a number instead")
+        self.gamma, scores = tune_consensus_step(W, self.compressor, X[0].numel(), seed=getattr(self, "seed", 0))
+        self.tuning = scores
+        return [f"consensus_step=auto chose γ = {self.gamma:g} for compression={self.compressor.name} on this graph "
+                f"(consensus error {scores[self.gamma]:.3g}, best {min(scores.values()):.3g}, after {TUNE_STEPS} "
+                "simulated gossip steps)"]
+
+    def summary(self) -> dict:
+        return {"consensus_step_used": self.gamma, "consensus_step_auto": self.consensus_step == "auto"}
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        mixer = self.accept(mixer, k)
+        if self.gamma is None:
+            self.prepare(mixer, X)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        D = _direction(G, state, self.momentum, self.nesterov)
+        X.add_(D, alpha=-self.step_size(k))  # x^{k+½}
+        _choco_gossip(mixer, self.compressor, X, state["public"], state["public_mixed"], self.gamma,
+                      _seeds(self.seed, mixer.agents, k))
+        return X
+
+
+@ALGORITHMS.register("relaysum")
+class RelaySumAlgorithm(_LocalMomentum, Algorithm):
+    """RelaySGD (module docstring): a different message to each tree neighbour per step."""
+
+    name, traffic = "relaysum", "neighbours"
+    #: the rule runs on a spanning tree of the topology (the run builds it: ``topologies.spanning_tree``)
+    needs_tree = True
+
+    def __init__(self, *, momentum: float = 0.9, nesterov: bool = True, **common) -> None:
+        super().__init__(momentum=momentum, nesterov=nesterov, **common)
+
+    def check_mixing(self, W) -> None:
+        """Refuse a schedule and a graph that is not a tree (connected, N − 1 edges)."""
+        _check_static(self.name, W)
+        super().check_mixing(W)
+        G = topologies.graph_of(W)
+        if not topologies.is_tree(G):
+            raise ValueError(f"algorithm 'relaysum' runs on a spanning tree, but this mixing matrix's graph has "
+                             f"{G.number_of_edges()} edges on {G.number_of_nodes()} agents (a tree has N − 1 and "
+                             "no cycle); build W on topologies.spanning_tree(G) (cdsgd run does)")
+
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+        """x^0, the momentum, and the messages received the step before (E×(P+1): each relayed sum, then its
+        count; zero before step 0), sized by ``mixer``'s edges (made at the first step when no mixer is given)."""
+        state = {"initial": X.detach().clone(), **self._momentum_state(X)}
+        if mixer is not None:
+            state["received"] = X.new_zeros((len(mixer.edges), X[0].numel() + 1))
+        return state
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        mixer = self.accept(mixer, k)
+        table = edge_table(mixer)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        D = _direction(G, state, self.momentum, self.nesterov)
+        L, N = len(mixer.agents), mixer.n_agents
+        H = X.view(L, -1).add_(D.view(L, -1), alpha=-self.step_size(k))  # x^{k+½}, in place
+        if "received" not in state:
+            state["received"] = X.new_zeros((len(mixer.edges), X[0].numel() + 1))
+        received = state["received"]
+        P = H.shape[1]
+        own = torch.cat([H, H.new_ones(L, 1)], dim=1)  # the half-step and its count, 1
+        send = table.sum_others(own, received, torch.empty_like(received))
+        received.copy_(mixer.exchange(send).wait())
+        total = table.sum_received(own, received, torch.empty_like(own))
+        missing = (N - total[:, P:]).clamp_(min=0)  # N − n_i agents not yet heard from: x_i^0 stands in
+        X.view(L, -1).copy_(total[:, :P].addcmul_(state["initial"].view(L, -1), missing).div_(N))
+        return X

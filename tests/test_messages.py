@@ -1,0 +1,176 @@
+"""CHOCO-SGD and RelaySum against naive per-agent transcriptions of their papers, closed forms, and the runtime."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+
+import topologies
+from cdsgd.algorithms import make_algorithm
+from cdsgd.algorithms.compression import make_compressor
+from cdsgd.base.seeding import derive_seed
+from cdsgd.mixers import MatrixMixer
+
+N, P = 6, 40
+
+
+def _quadratic(n=N, p=P, seed=0):
+    """f_j(x) = ½‖x − b_j‖²: the gradient at X is X − B; the optimum of the sum is mean(b)."""
+    return torch.randn(n, p, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _run(alg, W, B, X0, steps):
+    mixer = MatrixMixer(W)
+    alg.bind(n_agents=len(B), steps_per_epoch=1, seed=7)
+    X = X0.clone()
+    state = alg.init_state(X, mixer=mixer)
+    for k in range(steps):
+        alg.update(X, X - B, state, k=k, mixer=mixer)
+    return X
+
+
+# ---------------------------------------------------------------- CHOCO
+
+
+def _choco_naive(W, B, X0, steps, lr, gamma, compressor, seed=7):
+    """ICLR 2020's Algorithm (no momentum), as written: agent i keeps a copy x̂_j of every neighbour j
+    (and of itself), updated from the q_j it receives; x_i += γ Σ_j w_ij (x̂_j − x̂_i)."""
+    n = len(B)
+    W = np.asarray(W)
+    x = [X0[i].clone() for i in range(n)]
+    copies = [{j: torch.zeros(X0.shape[1], dtype=X0.dtype) for j in range(n) if W[i, j] != 0} for i in range(n)]
+    for k in range(steps):
+        half = [x[i] - lr * (x[i] - B[i]) for i in range(n)]
+        q = [compressor.compress((half[i] - copies[i][i])[None], [derive_seed(seed, "compression", i, k)])[0]
+             for i in range(n)]
+        for i in range(n):
+            for j in copies[i]:
+                copies[i][j] = copies[i][j] + q[j]
+        for i in range(n):
+            x[i] = half[i] + gamma * sum(W[i, j] * (copies[i][j] - copies[i][i]) for j in copies[i])
+    return torch.stack(x)
+
+
+@pytest.mark.parametrize("name,params", [("none", {}), ("top_k", {"ratio": 0.1}), ("random_k", {"ratio": 0.2}),
+                                         ("sign", {}), ("qsgd", {"levels": 4})])
+def test_choco_matches_the_papers_algorithm_agent_by_agent(name, params):
+    W = topologies.mixing_matrix(topologies.build("erdos_renyi", N, p=0.5, seed=2))
+    B, X0 = _quadratic(), _quadratic(seed=1)
+    alg = make_algorithm("choco", lr=0.1, momentum=0.0, compression=name, compression_params=params,
+                         consensus_step=0.3)
+    got = _run(alg, W, B, X0, 25)
+    want = _choco_naive(W, B, X0, 25, 0.1, 0.3, make_compressor(name, params))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_choco_uncompressed_with_unit_step_is_dpsgd():
+    """C = identity, γ = 1: x̂ = x^{k+½}, so x ← W (x − α g) (adapt then combine), in closed form."""
+    W = topologies.mixing_matrix(topologies.build("ring", N))
+    B, X0 = _quadratic(), _quadratic(seed=1)
+    got = _run(make_algorithm("choco", lr=0.2, momentum=0.0, consensus_step=1.0), W, B, X0, 30)
+    X, Wt = X0.clone(), torch.as_tensor(W)
+    for _ in range(30):
+        X = Wt @ (X - 0.2 * (X - B))
+    torch.testing.assert_close(got, X, rtol=0, atol=1e-12)
+
+
+def test_choco_with_top_k_reaches_the_fixed_point_in_closed_form():
+    """At a fixed point q = 0, so x̂ = x^{k+½} and x = W_γ x^{k+½} with W_γ = (1 − γ)I + γW: D-PSGD's
+    (adapt then combine) fixed point for W_γ, x = (I − (1 − α)W_γ)⁻¹ α W_γ b, whatever the compressor."""
+    W = topologies.mixing_matrix(topologies.build("ring", N))
+    B = _quadratic()
+    lr, gamma = 0.05, 0.5
+    alg = make_algorithm("choco", lr=lr, momentum=0.0, compression="top_k", compression_params={"ratio": 0.25},
+                         consensus_step=gamma)
+    X = _run(alg, W, B, torch.zeros(N, P, dtype=torch.float64), 3000)
+    Wg = (1 - gamma) * np.eye(N) + gamma * W
+    fixed = np.linalg.solve(np.eye(N) - (1 - lr) * Wg, lr * Wg @ B.numpy())
+    np.testing.assert_allclose(X.numpy(), fixed, rtol=0, atol=1e-9)
+
+
+def test_consensus_step_auto_tunes_and_says_so():
+    W = topologies.mixing_matrix(topologies.build("ring", 8))
+    alg = make_algorithm("choco", lr=0.1, compression="top_k", compression_params={"ratio": 0.05})
+    alg.bind(n_agents=8, steps_per_epoch=1, seed=0)
+    lines = alg.prepare(MatrixMixer(W), torch.zeros(8, 200))
+    best = min(alg.tuning.values())
+    assert alg.tuning[alg.gamma] <= 1.5 * best  # the largest γ within TUNE_SLACK of the best score
+    assert all(alg.tuning[g] > 1.5 * best for g in alg.tuning if g > alg.gamma)
+    assert f"γ = {alg.gamma:g}" in lines[0]
+    # compressing harder needs a smaller step: top_k 5 % picks a smaller γ than no compression
+    plain = make_algorithm("choco", lr=0.1)
+    plain.bind(n_agents=8, steps_per_epoch=1, seed=0)
+    plain.prepare(MatrixMixer(W), torch.zeros(8, 200))
+    assert plain.gamma == 1.0 and alg.gamma < plain.gamma
+    assert alg.summary() == {"consensus_step_used": alg.gamma, "consensus_step_auto": True}
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"consensus_step": 0.0}, r"consensus_step must be a number in \(0, 1\] or \"auto\", got 0.0"),
+    ({"consensus_step": "fast"}, "got 'fast'"),
+    ({"compression": "topk"}, "top_k"),
+    ({"compression": "top_k", "compression_params": {"ratio": 1.5}}, "1.5"),
+])
+def test_choco_refuses_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        make_algorithm("choco", lr=0.1, **bad)
+
+
+# ---------------------------------------------------------------- RelaySum
+
+
+def _relaysum_naive(tree, B, X0, steps, lr):
+    """RelaySGD (Algorithm 1 of Vogels et al. 2021, the model variant), message by message on a dict of edges."""
+    n = len(B)
+    nb = {i: sorted(tree.neighbors(i)) for i in range(n)}
+    m = {(i, j): torch.zeros(X0.shape[1], dtype=X0.dtype) for i in nb for j in nb[i]}
+    c = {e: 0 for e in m}
+    x = [X0[i].clone() for i in range(n)]
+    for _ in range(steps):
+        half = [x[i] - lr * (x[i] - B[i]) for i in range(n)]
+        new_m = {(i, j): half[i] + sum((m[(l, i)] for l in nb[i] if l != j), torch.zeros_like(half[i]))
+                 for (i, j) in m}
+        new_c = {(i, j): 1 + sum(c[(l, i)] for l in nb[i] if l != j) for (i, j) in m}
+        m, c = new_m, new_c
+        for i in range(n):
+            count = 1 + sum(c[(j, i)] for j in nb[i])
+            x[i] = (half[i] + sum(m[(j, i)] for j in nb[i]) + (n - count) * X0[i]) / n
+    return torch.stack(x)
+
+
+@pytest.mark.parametrize("graph", ["path", "star", "torus_tree"])
+def test_relaysum_matches_the_papers_algorithm_message_by_message(graph):
+    T = (topologies.spanning_tree(topologies.build("torus", 9)) if graph == "torus_tree"
+         else topologies.build(graph, N))
+    n = T.number_of_nodes()
+    W = topologies.mixing_matrix(T)
+    B, X0 = _quadratic(n), _quadratic(n, seed=1)
+    got = _run(make_algorithm("relaysum", lr=0.1, momentum=0.0), W, B, X0, 20)
+    torch.testing.assert_close(got, _relaysum_naive(T, B, X0, 20, 0.1), rtol=0, atol=1e-12)
+
+
+def test_relaysum_reaches_the_exact_optimum_on_heterogeneous_quadratics():
+    """At a fixed point every agent averages every half-step x* − α(x* − b_l): consensus at mean(b), no bias."""
+    T = topologies.build("path", N)
+    B = _quadratic()
+    X = _run(make_algorithm("relaysum", lr=0.2, momentum=0.0), topologies.mixing_matrix(T), B,
+             torch.zeros(N, P, dtype=torch.float64), 300)
+    torch.testing.assert_close(X, B.mean(0).expand(N, P), rtol=0, atol=1e-10)
+
+
+def test_relaysum_refuses_a_graph_with_a_cycle():
+    with pytest.raises(ValueError, match="spanning tree"):
+        _run(make_algorithm("relaysum", lr=0.1), topologies.mixing_matrix(topologies.build("ring", N)),
+             _quadratic(), _quadratic(), 1)
+
+
+def test_spanning_tree_keeps_a_tree_and_builds_a_shallow_one():
+    path = topologies.build("path", 7)
+    assert sorted(topologies.spanning_tree(path).edges()) == sorted(path.edges())
+    G = topologies.build("torus", 16)
+    T = topologies.spanning_tree(G)
+    assert topologies.is_tree(T) and set(T.edges()) <= {tuple(sorted(e)) for e in G.edges()} | set(G.edges())
+    import networkx as nx
+    assert nx.diameter(T) <= 2 * nx.radius(G)
