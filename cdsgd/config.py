@@ -73,7 +73,8 @@ class Config:
     """A run's settings. Defaults: the README's main job (digits, 5 agents, ring, CDMSGD)."""
 
     # --- algorithm and executor
-    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | sgd | msgd | fedavg | local",
+    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | choco | relaysum | sgd | "
+                         "msgd | fedavg | local",
                          registry="algorithm", identity=True)
     executor: str = key("sim", "sim: all agents in one process; torch: torchrun ranks, each holding "
                         "n_agents/ranks agents", choices=("sim", "torch"))
