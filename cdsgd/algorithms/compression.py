@@ -65,6 +65,7 @@ import math
 import numbers
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 
 from topologies import Registry
@@ -138,26 +139,29 @@ def _field(payload: torch.Tensor, start: int, count: int, dtype: torch.dtype) ->
 
 
 def _pack(fields: torch.Tensor, width: int) -> torch.Tensor:
-    """R×n codes in [0, 2^width) → R×⌈n·width/8⌉ bytes: bit j of code i is bit i·width + j of the row's stream."""
+    """R×n codes in [0, 2^width) → R×⌈n·width/8⌉ bytes: bit j of code i is bit i·width + j of the row's stream
+    (least significant first: numpy's ``packbits(bitorder="little")``, which packs CPU tensors)."""
     R, n = fields.shape
     nbytes = (n * width + 7) // 8
-    bits = torch.zeros(R, nbytes * 8, dtype=torch.uint8, device=fields.device)
-    lanes = bits[:, :n * width].view(R, n, width)
-    for j in range(width):  # over the bits of a code (at most 26), never over the coordinates
-        lanes[:, :, j] = (fields >> j) & 1
-    shifts = torch.arange(8, dtype=torch.uint8, device=fields.device)
-    return (bits.view(R, nbytes, 8) << shifts).sum(dim=2, dtype=torch.uint8)
+    shifts = torch.arange(width, dtype=fields.dtype, device=fields.device)
+    bits = ((fields.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(R, n * width)
+    if bits.device.type == "cpu":
+        return torch.from_numpy(np.packbits(bits.numpy(), axis=1, bitorder="little"))
+    bits = torch.nn.functional.pad(bits, (0, nbytes * 8 - n * width))
+    return (bits.view(R, nbytes, 8) << torch.arange(8, dtype=torch.uint8, device=bits.device)).sum(
+        dim=2, dtype=torch.uint8)
 
 
 def _unpack(packed: torch.Tensor, n: int, width: int) -> torch.Tensor:
     """The R×n int32 codes :func:`_pack` wrote into ``packed`` (R×⌈n·width/8⌉ bytes)."""
     R, nbytes = packed.shape
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(R, nbytes * 8)[:, :n * width].reshape(R, n, width)
-    fields = torch.zeros(R, n, dtype=torch.int32, device=packed.device)
-    for j in range(width):
-        fields |= bits[:, :, j].to(torch.int32) << j
-    return fields
+    if packed.device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(packed.numpy(), axis=1, count=n * width, bitorder="little"))
+    else:
+        shifts8 = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        bits = ((packed.unsqueeze(-1) >> shifts8) & 1).reshape(R, nbytes * 8)[:, :n * width]
+    shifts = torch.arange(width, dtype=torch.int32, device=packed.device)
+    return (bits.reshape(R, n, width).to(torch.int32) << shifts).sum(dim=2, dtype=torch.int32)
 
 
 class Compressor:

@@ -83,16 +83,29 @@ def _seeds(seed: int, agents, k: int) -> list[int]:
 
 def _choco_gossip(mixer, compressor: Compressor, X: torch.Tensor, Xhat: torch.Tensor, S: torch.Tensor,
                   gamma: float, seeds: list[int]) -> torch.Tensor:
-    """One compressed gossip step on the held rows (X in place): the communication half of CHOCO-SGD."""
+    """One compressed gossip step on the held rows (X in place): the communication half of CHOCO-SGD.
+
+    Every message goes through ``mixer.exchange``. A mixer that holds every
+    agent (the simulator) received the very bytes its agents sent, so the
+    received q_l are the senders' decoded rows (the same floats: decoding is
+    deterministic) and are not decoded again; its fast mode adds them up by
+    the mixer's product W q.
+    """
     table = edge_table(mixer)
     P = X[0].numel()
     X2, Xhat2, S2 = X.view(len(seeds), -1), Xhat.view(len(seeds), -1), S.view(len(seeds), -1)
     payload = compressor.encode(X2 - Xhat2, seeds)  # L×B bytes: one message per agent, the same to each neighbour
     received = mixer.exchange(payload.index_select(0, table.senders(payload.device))).wait()  # E×B
     q_self = compressor.decode(payload, P, X.dtype)
-    q_recv = compressor.decode(received, P, X.dtype)
+    exact, alone = getattr(mixer, "exact", False), len(mixer.agents) == mixer.n_agents
+    if alone and not exact and hasattr(mixer, "product"):
+        mixed = mixer.product(q_self, torch.empty_like(q_self))
+    else:
+        q_recv = (q_self.index_select(0, table.sources(q_self.device)) if alone
+                  else compressor.decode(received, P, X.dtype))
+        mixed = table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=exact)
     Xhat2.add_(q_self)
-    S2.add_(table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=getattr(mixer, "exact", False)))
+    S2.add_(mixed)
     return X2.add_(S2 - Xhat2, alpha=gamma)
 
 

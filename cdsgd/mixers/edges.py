@@ -100,6 +100,15 @@ class EdgeTable:
             self._tensors[key] = torch.as_tensor(self.local, device=device)
         return self._tensors[key]
 
+    def sources(self, device) -> torch.Tensor:
+        """Each edge's receiving agent as a held row (all agents held): R = stack[sources] is what the edges bring."""
+        key = ("sources", device)
+        if key not in self._tensors:
+            pos = {j: i for i, j in enumerate(self.agents)}
+            self._tensors[key] = torch.as_tensor([pos[int(l)] for l in self.edges[:, 1]], dtype=torch.int64,
+                                                 device=device)
+        return self._tensors[key]
+
     def _padded(self, dtype, device):
         """(L×d indices into the edge stack, L×d weights) with d the largest degree; padding has weight 0."""
         key = ("padded", dtype, device)
