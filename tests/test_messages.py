@@ -174,3 +174,22 @@ def test_spanning_tree_keeps_a_tree_and_builds_a_shallow_one():
     assert topologies.is_tree(T) and set(T.edges()) <= {tuple(sorted(e)) for e in G.edges()} | set(G.edges())
     import networkx as nx
     assert nx.diameter(T) <= 2 * nx.radius(G)
+
+
+def test_run_config_refuses_what_the_rules_cannot_use_and_notes_what_they_ignore():
+    from cdsgd.config import load_config
+    from cdsgd.run.plan import validate_config
+
+    with pytest.raises(ValueError, match=r"compression='top_k' needs an algorithm that sends compressed messages "
+                                         r"\(choco\); algorithm='cdmsgd' sends full vectors"):
+        validate_config(load_config(overrides=["compression=top_k"]))
+    with pytest.raises(ValueError, match="compression_params"):
+        validate_config(load_config(overrides=["compression_params.ratio=0.1"]))
+    with pytest.raises(ValueError, match="time-varying"):
+        validate_config(load_config(overrides=["algorithm=relaysum", "topology=one_peer_exponential", "n_agents=8"]))
+    plan = validate_config(load_config(overrides=["algorithm=relaysum", "topology=ring", "n_agents=6",
+                                                  "mixing=max_degree"]))
+    assert topologies.is_tree(plan.graph) and plan.graph.number_of_edges() == 5
+    assert any("mixing='max_degree' has no effect" in note for note in plan.notes)
+    plan = validate_config(load_config(overrides=["algorithm=cdmsgd", "consensus_step=0.5"]))
+    assert any("consensus_step=0.5 has no effect" in note for note in plan.notes)

@@ -164,6 +164,9 @@ def validate_config(cfg: Config) -> Plan:
         # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
         G, W = plan_topology(cfg)
         if getattr(algorithm, "needs_tree", False):  # relaysum: a spanning tree of the topology
+            if isinstance(W, topologies.Schedule):
+                raise ValueError(f"algorithm {cfg.algorithm!r} relays along one fixed spanning tree; topology "
+                                 f"{cfg.topology!r} is time-varying: give a graph (a chain is topology=path)")
             G = topologies.spanning_tree(G)
             W = topologies.mixing_matrix(G, "metropolis", sparse=G.number_of_nodes() > topologies.DENSE_UP_TO)
         algorithm.check_mixing(W)  # e.g. D² needs λₙ(W) > −1/3
@@ -237,6 +240,9 @@ def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm) -> list[str]:
             and any("weight" in d for _, _, d in G.edges(data=True))):
         notes.append(f"graph file {cfg.topology!r} carries edge weights, which mixing={cfg.mixing!r} ignores "
                      "(it computes its own); set mixing=weight to mix with the file's weights")
+    if getattr(algorithm, "needs_tree", False) and cfg.mixing != key_info("mixing")["default"]:
+        notes.append(f"mixing={cfg.mixing!r} has no effect with algorithm={cfg.algorithm!r}: it averages over all "
+                     "agents along a spanning tree, every agent weighted 1/N")
     for name in ("bucket_sync", "bucket_fill"):
         if getattr(cfg, name) and cfg.bucketing <= 1:
             notes.append(f"{name}=true has no effect with bucketing={cfg.bucketing} (it needs bucketing > 1)")
