@@ -53,8 +53,10 @@ def _sim(alg, W, **hyper):
 
 @pytest.mark.parametrize("alg,graph,hyper", [
     ("choco", "ring", {"compression": "random_k", "compression_params": {"ratio": 0.3}, "consensus_step": "auto"}),
-    ("choco", "ring", {"compression": "qsgd", "compression_params": {"levels": 4}, "momentum": 0.9}),
+    ("choco", "ring", {"compression": "qsgd", "compression_params": {"levels": 4}, "momentum": 0.9,
+                       "consensus_step": 0.2}),
     ("relaysum", "star", {"momentum": 0.9}),
+    ("beer", "ring", {"compression": "random_k", "compression_params": {"ratio": 0.3}, "consensus_step": 0.3}),
 ])
 def test_checkpoint_resume_restores_the_compression_and_relay_state_bit_for_bit(alg, graph, hyper):
     W = topologies.mixing_matrix(topologies.build(graph, 6))

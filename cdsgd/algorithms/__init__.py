@@ -15,7 +15,7 @@ from ..base.compat import module_getattr
 from .heterogeneous import D2Algorithm, DSGTAlgorithm, QGDSGDmAlgorithm
 from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
 from .pushsum import SGPAlgorithm
-from .messages import ChocoAlgorithm, RelaySumAlgorithm
+from .messages import BeerAlgorithm, ChocoAlgorithm, RelaySumAlgorithm
 from .compression import COMPRESSORS, Compressor, make_compressor
 from .factory import algorithm_params, make_algorithm
 from .rules import ALGORITHMS, Algorithm, StepSize, cdsgd_update, momentum_update, with_weight_decay
@@ -23,6 +23,7 @@ from .rules import ALGORITHMS, Algorithm, StepSize, cdsgd_update, momentum_updat
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
+    "BeerAlgorithm",
     "COMPRESSORS",
     "ChocoAlgorithm",
     "Compressor",

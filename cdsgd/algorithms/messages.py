@@ -32,6 +32,21 @@ compressed bytes, the relayed sums. Notation as in
            before training on a simulated consensus problem on the same
            graph, compressor and parameter count (:func:`tune_consensus_step`):
            the reference code's grid search, on gossip instead of training runs.
+``beer``   BEER (Zhao, Li, Richtárik & Chi, "BEER: fast O(1/T) rate for
+           decentralized nonconvex optimization with communication
+           compression", NeurIPS 2022): gradient tracking (``dsgt``) whose two
+           exchanges are CHOCO's compressed gossip. Public copies ĥ (of x) and
+           ĝ (of the tracker v), with their mixed sums s_h = Σ_l w_jl ĥ_l and
+           s_g, all zero at the start, and g_j(x^{−1}) = 0:
+
+               v_j^k = v_j^{k−1} + γ (s_g,j − ĝ_j) + g_j(x^k) − g_j(x^{k−1})
+               ĝ_j ← ĝ_j + C(v_j^k − ĝ_j)                      (sent: one message)
+               x_j^{k+1} = x_j^k + γ (s_h,j − ĥ_j) − α_k d(v_j^k)
+               ĥ_j ← ĥ_j + C(x_j^{k+1} − ĥ_j)                  (sent: the second)
+
+           Σ_j (s_g,j − ĝ_j) = 0 for a doubly stochastic W, so the trackers'
+           mean is the agents' mean gradient at every step, compressed or not.
+           γ, its tuning and the compressors are choco's.
 ``relaysum``  RelaySGD (Vogels, He, Koloskova, Karimireddy, Lin, Stich &
            Jaggi, "RelaySum for decentralized deep learning on heterogeneous
            data", NeurIPS 2021, Algorithm 1, the model variant) on a
@@ -67,7 +82,7 @@ from .compression import Compressor, make_compressor
 from .heterogeneous import _LocalMomentum
 from .rules import ALGORITHMS, Algorithm, _direction, with_weight_decay
 
-__all__ = ["CONSENSUS_STEPS", "ChocoAlgorithm", "RelaySumAlgorithm", "tune_consensus_step"]
+__all__ = ["CONSENSUS_STEPS", "BeerAlgorithm", "ChocoAlgorithm", "RelaySumAlgorithm", "tune_consensus_step"]
 
 #: the grid ``consensus_step = "auto"`` searches (largest first: ties go to the larger step)
 CONSENSUS_STEPS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.035, 0.025, 0.018, 0.012, 0.008, 0.005)
@@ -77,13 +92,13 @@ TUNE_STEPS, TUNE_ELEMENTS = 100, 1 << 18
 TUNE_SLACK = 1.5
 
 
-def _seeds(seed: int, agents, k: int) -> list[int]:
-    return [derive_seed(seed, "compression", int(j), int(k)) for j in agents]
+def _seeds(seed: int, agents, k: int, purpose: str = "compression") -> list[int]:
+    return [derive_seed(seed, purpose, int(j), int(k)) for j in agents]
 
 
-def _choco_gossip(mixer, compressor: Compressor, X: torch.Tensor, Xhat: torch.Tensor, S: torch.Tensor,
-                  gamma: float, seeds: list[int]) -> torch.Tensor:
-    """One compressed gossip step on the held rows (X in place): the communication half of CHOCO-SGD.
+def _compressed_gossip(mixer, compressor: Compressor, target: torch.Tensor, public: torch.Tensor,
+                       mixed: torch.Tensor, seeds: list[int]) -> None:
+    """Send q_j = C(target_j − x̂_j) to every neighbour; x̂ += q (the public copies), s += W q (their mixed sum).
 
     Every message goes through ``mixer.exchange``. A mixer that holds every
     agent (the simulator) received the very bytes its agents sent, so the
@@ -92,21 +107,28 @@ def _choco_gossip(mixer, compressor: Compressor, X: torch.Tensor, Xhat: torch.Te
     the mixer's product W q.
     """
     table = edge_table(mixer)
-    P = X[0].numel()
-    X2, Xhat2, S2 = X.view(len(seeds), -1), Xhat.view(len(seeds), -1), S.view(len(seeds), -1)
-    payload = compressor.encode(X2 - Xhat2, seeds)  # L×B bytes: one message per agent, the same to each neighbour
+    L = len(seeds)
+    T2, public2, mixed2 = target.view(L, -1), public.view(L, -1), mixed.view(L, -1)
+    P = T2.shape[1]
+    payload = compressor.encode(T2 - public2, seeds)  # L×B bytes: one message per agent, the same to each neighbour
     received = mixer.exchange(payload.index_select(0, table.senders(payload.device))).wait()  # E×B
-    q_self = compressor.decode(payload, P, X.dtype)
+    q_self = compressor.decode(payload, P, target.dtype)
     exact, alone = getattr(mixer, "exact", False), len(mixer.agents) == mixer.n_agents
     if alone and not exact and hasattr(mixer, "product"):
-        mixed = mixer.product(q_self, torch.empty_like(q_self))
+        Wq = mixer.product(q_self, torch.empty_like(q_self))
     else:
         q_recv = (q_self.index_select(0, table.sources(q_self.device)) if alone
-                  else compressor.decode(received, P, X.dtype))
-        mixed = table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=exact)
-    Xhat2.add_(q_self)
-    S2.add_(mixed)
-    return X2.add_(S2 - Xhat2, alpha=gamma)
+                  else compressor.decode(received, P, target.dtype))
+        Wq = table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=exact)
+    public2.add_(q_self)
+    mixed2.add_(Wq)
+
+
+def _choco_gossip(mixer, compressor: Compressor, X: torch.Tensor, Xhat: torch.Tensor, S: torch.Tensor,
+                  gamma: float, seeds: list[int]) -> torch.Tensor:
+    """One compressed gossip step on the held rows (X in place): x += γ (s − x̂) after sending C(x − x̂)."""
+    _compressed_gossip(mixer, compressor, X, Xhat, S, seeds)
+    return X.add_(S - Xhat, alpha=gamma)
 
 
 def tune_consensus_step(W, compressor: Compressor, numel: int, *, seed: int = 0,
@@ -245,4 +267,32 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
         total = table.sum_received(own, received, torch.empty_like(own))
         missing = (N - total[:, P:]).clamp_(min=0)  # N − n_i agents not yet heard from: x_i^0 stands in
         X.view(L, -1).copy_(total[:, :P].addcmul_(state["initial"].view(L, -1), missing).div_(N))
+        return X
+
+
+@ALGORITHMS.register("beer")
+class BeerAlgorithm(ChocoAlgorithm):
+    """BEER (module docstring): gradient tracking over compressed gossip, two compressed messages per step."""
+
+    name = "beer"
+
+    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+        zeros = {name: torch.zeros_like(X) for name in ("public", "public_mixed", "tracker", "tracker_public",
+                                                        "tracker_mixed", "previous_gradient")}
+        return {**zeros, **self._momentum_state(X)}
+
+    def update(self, X, G, state, *, k, mixer, mixed=None):
+        mixer = self.accept(mixer, k)
+        if self.gamma is None:
+            self.prepare(mixer, X)
+        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+        V, G_prev = state["tracker"], state["previous_gradient"]
+        V.add_(state["tracker_mixed"] - state["tracker_public"], alpha=self.gamma).add_(G).sub_(G_prev)  # v^k
+        G_prev.copy_(G)
+        _compressed_gossip(mixer, self.compressor, V, state["tracker_public"], state["tracker_mixed"],
+                           _seeds(self.seed, mixer.agents, k, "compression-tracker"))  # ĝ^k
+        D = _direction(V, state, self.momentum, self.nesterov)
+        X.add_(state["public_mixed"] - state["public"], alpha=self.gamma).add_(D, alpha=-self.step_size(k))
+        _compressed_gossip(mixer, self.compressor, X, state["public"], state["public_mixed"],
+                           _seeds(self.seed, mixer.agents, k))  # ĥ^{k+1}
         return X

@@ -194,6 +194,8 @@ class Algorithm:
     vectors_per_step: ClassVar[int] = 1
     #: the rule takes a column-stochastic (push-sum) mixing matrix instead of a doubly stochastic one (sgp)
     column_stochastic: ClassVar[bool] = False
+    #: the root of the rule's random streams (:meth:`bind` sets the run's; 0 until then)
+    seed: int = 0
 
     def __init__(self, *, lr: float, lr_schedule: str = "constant", lr_tau: float = 1000.0,
                  lr_power: float = 1.0, weight_decay: float = 0.0) -> None:
