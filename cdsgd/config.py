@@ -73,8 +73,8 @@ class Config:
     """A run's settings. Defaults: the README's main job (digits, 5 agents, ring, CDMSGD)."""
 
     # --- algorithm and executor
-    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | choco | relaysum | sgd | "
-                         "msgd | fedavg | local",
+    algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | choco | beer | "
+                         "relaysum | sgd | msgd | fedavg | local",
                          registry="algorithm", identity=True)
     executor: str = key("sim", "sim: all agents in one process; torch: torchrun ranks, each holding "
                         "n_agents/ranks agents", choices=("sim", "torch"))
@@ -138,12 +138,13 @@ class Config:
                            note=" (0 means all/off)", unset=0)
     local_epochs: int = key(1, "fedavg: local epochs per round", low=1, overridden_by="local_steps")
     fedavg_fraction: float = key(1.0, "fedavg: fraction of agents sampled per round", bounds=FEDAVG_FRACTION)
-    # --- communication-constrained rules (docs/algorithms.md: choco, relaysum)
-    compression: str = key("none", "choco: what each message is compressed with: none | top_k | random_k | sign | "
-                           "qsgd (docs/algorithms.md gives each one's bytes)", registry="compression", identity=True)
+    # --- communication-constrained rules (docs/algorithms.md: choco, beer, relaysum)
+    compression: str = key("none", "choco, beer: what each message is compressed with: none | top_k | random_k | "
+                           "sign | qsgd (docs/algorithms.md gives each one's bytes)", registry="compression",
+                           identity=True)
     compression_params: dict = key({}, "compressor options, e.g. {ratio = 0.01} (top_k, random_k), "
                                    "{levels = 16} (qsgd)")
-    consensus_step: float | str = key("auto", "choco: the consensus step γ in (0, 1], or \"auto\": tuned before "
+    consensus_step: float | str = key("auto", "choco, beer: the consensus step γ in (0, 1], or \"auto\": tuned before "
                                       "training on a simulated consensus problem (the run says what it chose)")
     init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))
     strategy: str = key("auto", "simulator strategy: auto | loop | vmap", choices=("auto", "loop", "vmap"))
