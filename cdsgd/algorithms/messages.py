@@ -88,8 +88,10 @@ __all__ = ["CONSENSUS_STEPS", "BeerAlgorithm", "ChocoAlgorithm", "RelaySumAlgori
 CONSENSUS_STEPS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.035, 0.025, 0.018, 0.012, 0.008, 0.005)
 #: the simulated consensus problem of the tuning: this many gossip steps, on at most this many coordinates in all
 TUNE_STEPS, TUNE_ELEMENTS = 100, 1 << 18
-#: the tuning takes the largest γ whose consensus error is within this factor of the best one's
+#: the tuning takes the largest γ whose consensus error is within this factor of the best one's ...
 TUNE_SLACK = 1.5
+#: ... and whose gossip still converges (error < 1) at every grid step up to this multiple of γ (a stability margin)
+TUNE_MARGIN = 2.0
 
 
 def _seeds(seed: int, agents, k: int, purpose: str = "compression") -> list[int]:
@@ -154,7 +156,11 @@ def tune_consensus_step(W, compressor: Compressor, numel: int, *, seed: int = 0,
         err = float(((X - X.mean(0)) ** 2).sum()) / start
         scores[gamma] = err if np.isfinite(err) else float("inf")
     best = min(scores.values())
-    return next(g for g in CONSENSUS_STEPS if scores[g] <= TUNE_SLACK * best), scores
+    for g in CONSENSUS_STEPS:  # largest first
+        stable = all(scores[h] < 1.0 for h in CONSENSUS_STEPS if g < h <= TUNE_MARGIN * g)
+        if scores[g] <= TUNE_SLACK * best and stable:
+            return g, scores
+    return min(CONSENSUS_STEPS, key=lambda g: scores[g]), scores
 
 
 def _check_static(name: str, W) -> None:
