@@ -213,13 +213,21 @@ def sweep_figures(folder) -> dict:
     keys = sorted(varying, key=lambda k: -len(values[k]))
     hue = keys[0] if keys else None
     style = keys[1] if len(keys) > 1 else None
-    facet_keys = keys[2:]
+    # a key that follows from the series' keys (algorithm=cdmsgd whenever compression=none) names the series
+    # further instead of splitting the panels: the uncompressed point is drawn beside the compressed ones
+    series_keys = [k for k in (hue, style) if k]
+    told = [k for k in keys[2:] if series_keys and len({tuple(r[j] for j in series_keys) for r in results}) ==
+            len({(tuple(r[j] for j in series_keys), r[k]) for r in results})]
+    facet_keys = [k for k in keys[2:] if k not in told]
     facets = sorted({tuple(r[k] for k in facet_keys) for r in results}, key=lambda t: [_order(v) for v in t])
     colors = {v: f"C{i % 10}" for i, v in enumerate(values[hue])} if hue else {}
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D", "v", "P"]
     style_of = {v: i for i, v in enumerate(values[style])} if style else {}
 
+    also = {}  # the told keys' values of each series
+    for r in results:
+        also[(r[hue] if hue else "", r[style] if style else "")] = [(k, r[k]) for k in told]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         groups.setdefault((tuple(r[k] for k in facet_keys), r[hue] if hue else "", r[style] if style else ""),
@@ -239,6 +247,7 @@ def sweep_figures(folder) -> dict:
 
     def label(h, st):
         parts = ([f"{hue}={show(h)}"] if hue else []) + ([f"{style}={show(st)}"] if style else [])
+        parts += [f"{k}={show(v)}" for k, v in also.get((h, st), [])]
         return ", ".join(parts) or "runs"
 
     def panels(per_facet):
@@ -273,7 +282,10 @@ def sweep_figures(folder) -> dict:
         seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0], len(rank))))
         fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=8)
         fig.suptitle(title, fontsize=11)
-        fig.tight_layout(rect=(0, 0, 1 - 3.0 / fig.get_figwidth(), 0.95))
+        # room for the legend: about 0.06 inch per character at 8 points, plus the marker
+        margin = max(3.0, 0.06 * max(map(len, seen), default=0) + 0.6)
+        fig.set_figwidth(fig.get_figwidth() + margin - 3.0)
+        fig.tight_layout(rect=(0, 0, 1 - margin / fig.get_figwidth(), 0.95))
         return fig
 
     figures = {}
