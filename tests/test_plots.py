@@ -350,3 +350,19 @@ def test_draw_topology_keeps_its_api_and_names_a_bad_path(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match="cannot write the drawing .*file/ring.png"):
         draw_topology(G, W, tmp_path / "file" / "ring.png")
+
+
+def test_a_key_that_follows_from_the_series_does_not_split_the_panels(tmp_path):
+    """algorithm is cdmsgd exactly when compression is none: the uncompressed point is drawn in the same panel
+    as the compressed ones (one panel per topology), and its label says the algorithm."""
+    runs = [{"algorithm": alg, "compression": comp, "compression_params": params, "topology": topo, "seed": s,
+             "acc": acc, "avg": acc, "bytes": b}
+            for alg, comp, params, acc, b in [("cdmsgd", "none", "{}", 0.85, 4e8), ("choco", "top_k", "r1", 0.84, 9e6),
+                                              ("choco", "top_k", "r10", 0.85, 9e7), ("choco", "sign", "{}", 0.85, 1.4e7)]
+            for topo in ("ring", "torus") for s in (0, 1)]
+    fig = sweep_figures(make_sweep(tmp_path, runs))["accuracy_vs_bytes.png"]
+    axes = visible_axes(fig)
+    assert len(axes) == 4  # 2 topologies × (agents, average model), not × 2 algorithms
+    labels = finals(axes[0])
+    assert any("compression=none" in k and "algorithm=cdmsgd" in k for k in labels), labels
+    assert len(labels) == 4
