@@ -206,11 +206,17 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
         if W is None:
             raise ValueError("consensus_step=\"auto\" needs the mixer's matrix (mixer.matrix) to tune γ on; "
                              "give a number instead")
-        self.gamma, scores = tune_consensus_step(W, self.compressor, X[0].numel(), seed=getattr(self, "seed", 0))
+        self.gamma, scores = tune_consensus_step(W, self.compressor, X[0].numel(), seed=self.seed)
         self.tuning = scores
-        return [f"consensus_step=auto chose γ = {self.gamma:g} for compression={self.compressor.name} on this graph "
+        P = X[0].numel()
+        d = max(1, min(P, TUNE_ELEMENTS // W.shape[0]))
+        line = (f"consensus_step=auto chose γ = {self.gamma:g} for compression={self.compressor.name} on this graph "
                 f"(consensus error {scores[self.gamma]:.3g}, best {min(scores.values()):.3g}, after {TUNE_STEPS} "
-                "simulated gossip steps)"]
+                f"simulated gossip steps on {d} of the {P} coordinates)")
+        if self.compressor.name == "qsgd" and d < P:
+            line += ("; qsgd's noise grows with the dimension, so the tuned γ can be too large for the model: "
+                     "if training diverges, give consensus_step (0.05 worked for 16 agents on a ring, docs/results.md)")
+        return [line]
 
     def summary(self) -> dict:
         return {"consensus_step_used": self.gamma, "consensus_step_auto": self.consensus_step == "auto"}
