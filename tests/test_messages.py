@@ -34,6 +34,16 @@ def _run(alg, W, B, X0, steps):
 # ---------------------------------------------------------------- CHOCO
 
 
+def _send_compressed(compressor, copies, targets, purpose, k, seed):
+    """Every agent j sends q_j = C(target_j − its own copy x̂_j) (seeded by (seed, purpose, j, k)); every agent
+    holding a copy of j (j's neighbours and j itself) adds the q_j it receives to it."""
+    q = [compressor.compress((targets[j] - copies[j][j])[None], [derive_seed(seed, purpose, j, k)])[0]
+         for j in range(len(targets))]
+    for held in copies:
+        for j in held:
+            held[j] = held[j] + q[j]
+
+
 def _choco_naive(W, B, X0, steps, lr, gamma, compressor, seed=7):
     """ICLR 2020's Algorithm (no momentum), as written: agent i keeps a copy x̂_j of every neighbour j
     (and of itself), updated from the q_j it receives; x_i += γ Σ_j w_ij (x̂_j − x̂_i)."""
@@ -43,11 +53,7 @@ def _choco_naive(W, B, X0, steps, lr, gamma, compressor, seed=7):
     copies = [{j: torch.zeros(X0.shape[1], dtype=X0.dtype) for j in range(n) if W[i, j] != 0} for i in range(n)]
     for k in range(steps):
         half = [x[i] - lr * (x[i] - B[i]) for i in range(n)]
-        q = [compressor.compress((half[i] - copies[i][i])[None], [derive_seed(seed, "compression", i, k)])[0]
-             for i in range(n)]
-        for i in range(n):
-            for j in copies[i]:
-                copies[i][j] = copies[i][j] + q[j]
+        _send_compressed(compressor, copies, half, "compression", k, seed)
         for i in range(n):
             x[i] = half[i] + gamma * sum(W[i, j] * (copies[i][j] - copies[i][i]) for j in copies[i])
     return torch.stack(x)
@@ -132,17 +138,9 @@ def _beer_naive(W, B, X0, steps, lr, gamma, compressor, seed=7):
         grad = [x[i] - B[i] for i in range(n)]
         v = [v[i] + gamma * sum(W[i, j] * (g[i][j] - g[i][i]) for j in nb[i]) + grad[i] - prev[i] for i in range(n)]
         prev = grad
-        qg = [compressor.compress((v[j] - g[j][j])[None], [derive_seed(seed, "compression-tracker", j, k)])[0]
-              for j in range(n)]
-        for i in range(n):
-            for j in nb[i]:
-                g[i][j] = g[i][j] + qg[j]
+        _send_compressed(compressor, g, v, "compression-tracker", k, seed)
         x = [x[i] + gamma * sum(W[i, j] * (h[i][j] - h[i][i]) for j in nb[i]) - lr * v[i] for i in range(n)]
-        qh = [compressor.compress((x[j] - h[j][j])[None], [derive_seed(seed, "compression", j, k)])[0]
-              for j in range(n)]
-        for i in range(n):
-            for j in nb[i]:
-                h[i][j] = h[i][j] + qh[j]
+        _send_compressed(compressor, h, x, "compression", k, seed)
     return torch.stack(x)
 
 

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["CommError", "exchange", "first_line", "free_port", "global_rank", "wait"]
+__all__ = ["CommError", "exchange", "first_line", "free_port", "global_rank", "wait", "wait_peers"]
 
 
 class CommError(RuntimeError):
@@ -73,6 +73,14 @@ def wait(work, timeout: float, what: str, peer: int | None = None) -> None:
         raise CommError(f"{what} failed: {msg}", peer) from None
     if ok is False:
         raise CommError(f"{what}: no answer within comm_timeout={timeout:g} s", peer)
+
+
+def wait_peers(peers, works, timeout: float, rank: int, noun: str) -> None:
+    """Wait for each posted send and receive of an exchange (:func:`exchange`'s works, with their
+    ``(kind, peer)``), naming the neighbour rank and what travelled (``noun``) in a :class:`CommError`."""
+    for (kind, peer), work in zip(peers, works):
+        verb = f"receiving {noun} from" if kind == "recv" else f"sending {noun} to"
+        wait(work, timeout, f"rank {rank}: {verb} neighbour rank {peer}", peer)
 
 
 def global_rank(group, peer: int) -> int:

@@ -48,7 +48,7 @@ import torch
 
 from .base import neighbourhood, ordered_weighted_sum
 
-__all__ = ["EdgeTable", "edge_list", "edge_table"]
+__all__ = ["EdgeTable", "edge_list", "edge_table", "out_degrees", "reverse_positions"]
 
 
 def edge_list(S, agents) -> np.ndarray:
@@ -67,6 +67,23 @@ def edge_list(S, agents) -> np.ndarray:
     return np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 2), dtype=np.int64)
 
 
+def reverse_positions(edges: np.ndarray, among=None) -> np.ndarray:
+    """For each edge e = (i, l) of ``among`` (positions in ``edges``; default all), the position of (l, i) in ``edges``.
+
+    What an exchange gathers where both ends are held: R[e] = M[reverse[e]].
+    """
+    where = {(int(i), int(l)): e for e, (i, l) in enumerate(edges)}
+    among = range(len(edges)) if among is None else among
+    return np.asarray([where[(int(edges[e, 1]), int(edges[e, 0]))] for e in among], dtype=np.int64)
+
+
+def out_degrees(edges: np.ndarray, agents) -> torch.Tensor:
+    """How many edges each of ``agents`` sends along (float64, for ``bytes_sent``); ``edges`` sorted by sender."""
+    agents = np.asarray(list(agents))
+    counts = np.searchsorted(edges[:, 0], agents, side="right") - np.searchsorted(edges[:, 0], agents, side="left")
+    return torch.as_tensor(counts, dtype=torch.float64)
+
+
 class EdgeTable:
     """The held agents' edges, ready for a rule: runs, weights and the ordered sum over received rows.
 
@@ -78,8 +95,8 @@ class EdgeTable:
     def __init__(self, edges: np.ndarray, agents: list[int], W=None) -> None:
         self.edges = edges
         self.agents = list(agents)
-        pos = {j: i for i, j in enumerate(self.agents)}
-        self.local = np.array([pos[j] for j in edges[:, 0]], dtype=np.int64)  # held row of each edge's sender
+        self._row = {j: i for i, j in enumerate(self.agents)}  # agent -> held row
+        self.local = np.array([self._row[j] for j in edges[:, 0]], dtype=np.int64)  # held row of each edge's sender
         self.ptr = np.searchsorted(self.local, np.arange(len(self.agents) + 1)).astype(np.int64)
         self.degrees = np.diff(self.ptr)
         if W is not None:
@@ -104,8 +121,7 @@ class EdgeTable:
         """Each edge's receiving agent as a held row (all agents held): R = stack[sources] is what the edges bring."""
         key = ("sources", device)
         if key not in self._tensors:
-            pos = {j: i for i, j in enumerate(self.agents)}
-            self._tensors[key] = torch.as_tensor([pos[int(l)] for l in self.edges[:, 1]], dtype=torch.int64,
+            self._tensors[key] = torch.as_tensor([self._row[int(l)] for l in self.edges[:, 1]], dtype=torch.int64,
                                                  device=device)
         return self._tensors[key]
 
@@ -156,7 +172,6 @@ class EdgeTable:
                     if f != e:
                         out[e].add_(R[f])
         return out
-
 
     def sum_received(self, X: torch.Tensor, R: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out[i] = X[i] + Σ_{e = (j, l)} R[e], the neighbours in ascending order (the same on every executor)."""

@@ -10,7 +10,7 @@ import torch
 import topologies
 
 from ..base.flat import kept
-from .edges import edge_list
+from .edges import edge_list, out_degrees, reverse_positions
 from .base import (Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_weighted_sum,
                    result_tensor)
 
@@ -237,13 +237,11 @@ class MatrixMixer(Mixer):
         out = result_tensor(M, out, "exchange")
         key = ("reverse", M.device)
         if key not in self._tensors:
-            position = {(int(i), int(l)): e for e, (i, l) in enumerate(self.edges)}
-            self._tensors[key] = torch.as_tensor([position[(int(l), int(i))] for i, l in self.edges],
-                                                 dtype=torch.int64, device=M.device)
-            self._tensors[("out-degree",)] = torch.as_tensor(np.bincount(self.edges[:, 0], minlength=self.n_agents),
-                                                            dtype=torch.float64)
+            self._tensors[key] = torch.as_tensor(reverse_positions(self.edges), device=M.device)
+        if "out-degree" not in self._tensors:
+            self._tensors["out-degree"] = out_degrees(self.edges, self.agents)
         torch.index_select(M, 0, self._tensors[key], out=out)
-        self.bytes_sent += self._tensors[("out-degree",)] * (_numel_per_agent(M) * M.element_size())
+        self.bytes_sent += self._tensors["out-degree"] * (_numel_per_agent(M) * M.element_size())
         return Handle(out)
 
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,

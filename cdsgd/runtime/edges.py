@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..base.comm import exchange, wait
+from ..base.comm import exchange, wait_peers
 from ..mixers import Handle, result_tensor
-from ..mixers.edges import edge_list
+from ..mixers.edges import edge_list, out_degrees, reverse_positions
 
 __all__ = ["EdgeMessages"]
 
@@ -27,9 +27,7 @@ class _EdgeHandle(Handle):
     def wait(self) -> torch.Tensor:
         if not self._done:
             m = self.mixer
-            for (kind, peer), work in zip(self.peers, self.works):
-                verb = "receiving messages from" if kind == "recv" else "sending messages to"
-                wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}", peer)
+            wait_peers(self.peers, self.works, m.timeout, m.rank, "messages")
             for q, rbuf in self.recvs:
                 self.out2.index_copy_(0, m._index(("recv", q), m._edge_peers[q][1], rbuf.device), rbuf)
             self._done = True
@@ -53,11 +51,8 @@ class EdgeMessages:
                 raise ValueError(f"{type(self).__name__}(None) (Π = 11ᵀ/N) has no graph edges to send along")
             self._edge_list = edge_list(self.matrix, self.agents)
             E, per = self._edge_list, len(self.agents)
-            where = {(int(i), int(l)): e for e, (i, l) in enumerate(E)}
-            inside = [e for e, (i, l) in enumerate(E) if l // per == self.rank]
-            #: in-block edges: R[e] = M[position of (l, i)]
-            self._edge_inside = (np.asarray(inside, dtype=np.int64),
-                                 np.asarray([where[(int(E[e, 1]), int(E[e, 0]))] for e in inside], dtype=np.int64))
+            inside = np.asarray([e for e, (i, l) in enumerate(E) if l // per == self.rank], dtype=np.int64)
+            self._edge_inside = (inside, reverse_positions(E, inside))  # in-block edges: R[e] = M[reverse]
             # per neighbouring rank q: the edges whose messages go to q, ordered by (sender, receiver) (i, l),
             # and the edges whose messages come from q, ordered by q's sender first ((l, i) for our e = (i, l)):
             # the same order on both sides, so one message per rank pair carries every cut edge's row.
@@ -71,8 +66,7 @@ class EdgeMessages:
             for q, (send, recv) in self._edge_peers.items():
                 recv.sort(key=lambda e: (int(E[e, 1]), int(E[e, 0])))
                 self._edge_peers[q] = (np.asarray(send, dtype=np.int64), np.asarray(recv, dtype=np.int64))
-            self._edge_out_degree = torch.as_tensor(np.diff(np.searchsorted(
-                E[:, 0], np.arange(self.agents[0], self.agents[0] + per + 1))), dtype=torch.float64)
+            self._edge_out_degree = out_degrees(E, self.agents)
         return self._edge_list
 
     def _index(self, name, idx: np.ndarray, device) -> torch.Tensor:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import topologies
 
-from ..base.comm import exchange, wait
+from ..base.comm import exchange, wait, wait_peers
 from .edges import EdgeMessages
 from ..mixers import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
                       ordered_weighted_sum, result_tensor)
@@ -118,9 +118,7 @@ class _BlockHandle(Handle):
     def wait(self) -> torch.Tensor:
         if not self._done:
             m = self.mixer
-            for (kind, peer), work in zip(self.peers, self.works):
-                verb = "receiving parameters from" if kind == "recv" else "sending parameters to"
-                wait(work, m.timeout, f"rank {m.rank}: {verb} neighbour rank {peer}", peer)
+            wait_peers(self.peers, self.works, m.timeout, m.rank, "parameters")
             if m.exact:
                 stacks = (self.X2, self.halo)
                 for i, (weights, src) in enumerate(m._rows):
