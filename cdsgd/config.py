@@ -146,6 +146,13 @@ class Config:
                                    "{levels = 16} (qsgd)")
     consensus_step: float | str = key("auto", "choco, beer: the consensus step γ in (0, 1], or \"auto\": tuned before "
                                       "training on a simulated consensus problem (the run says what it chose)")
+    # --- simulated network (docs/network.md)
+    network: str = key("none", "simulated network clock: none | datacenter | lan | wan | edge (a preset), giving "
+                       "metrics.csv's sim_seconds; network_params alone defines a custom one", identity=True)
+    network_params: dict = key({}, "overrides of the network: bandwidth_mbps, latency_ms, compute_ms (absent: "
+                               "measured), stragglers, straggler_slowdown, drop, link_failure")
+    target_accuracy: float = key(0.0, "a test accuracy to reach: summary.json and the sweep's results.csv give the "
+                                 "steps and simulated seconds to it (0: off)", low=0, note=" (0 means off)")
     init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))
     strategy: str = key("auto", "simulator strategy: auto | loop | vmap", choices=("auto", "loop", "vmap"))
     exact: bool = key(False, "mix with ordered multiply-adds (as the runtime's exact mode)")

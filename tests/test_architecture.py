@@ -20,6 +20,7 @@ LAYERS = [
     ["cdsgd.config", "cdsgd.testing"],
     ["cdsgd.mixers"],
     ["cdsgd.algorithms"],
+    ["cdsgd.network"],
     ["cdsgd.mgrit", "cdsgd.data"],
     ["cdsgd.models"],
     ["cdsgd.executor"],

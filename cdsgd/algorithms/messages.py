@@ -188,6 +188,8 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
     """CHOCO-SGD (module docstring): one compressed message per agent per step, sent to every neighbour."""
 
     name, traffic = "choco", "neighbours"
+    #: every agent keeps its neighbours' public copies in step: a lost compressed message would split them
+    lost_message = None
 
     def __init__(self, *, compression: str = "none", compression_params: dict | None = None,
                  consensus_step: float | str = "auto", momentum: float = 0.0, nesterov: bool = True,

@@ -194,6 +194,10 @@ class Algorithm:
     vectors_per_step: ClassVar[int] = 1
     #: the rule takes a column-stochastic (push-sum) mixing matrix instead of a doubly stochastic one (sgp)
     column_stochastic: ClassVar[bool] = False
+    #: what a receiver does with a lost message (a simulated network's ``drop``/``link_failure``,
+    #: :mod:`cdsgd.network.lossy`): "own" (its weight added to the receiver's own), "lost" (push-sum: the
+    #: mass never arrives), or None (the rule cannot lose messages and refuses such a network)
+    lost_message: ClassVar[str | None] = "own"
     #: the root of the rule's random streams (:meth:`bind` sets the run's; 0 until then)
     seed: int = 0
 

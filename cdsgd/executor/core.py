@@ -70,7 +70,8 @@ from . import state as checkpoint_state
 from .agents import build_agents, held_mixer
 from .gradients import STRATEGIES, make_strategy, nonfinite_rows
 from .reducer import Reducer
-from .streams import AgentRNG, BatchStream, gather
+from .streams import AgentRNG, BatchStream, check_shards, gather
+from .timing import ClockFeed
 
 __all__ = ["INITS", "Diverged", "Executor", "SimulationResult", "Simulator", "simulate"]
 
@@ -133,6 +134,9 @@ class Executor:
             default :class:`BatchStream` over agent j's shard.
         steps_per_epoch: steps that count as one epoch (default
             ceil(mean shard size / batch_size)).
+        network: a simulated network (:func:`cdsgd.network.network_spec`, or a ready
+            :class:`~cdsgd.network.NetworkClock`): each row's ``sim_seconds``
+            (:mod:`cdsgd.executor.timing`); its losses change the mixing (simulator only).
 
     Public state (read it; each step updates it in place):
         X: the L×P stack of the held agents' flat parameters (N×P in the simulator): row i is agent
@@ -166,9 +170,10 @@ class Executor:
         batch_stream: Callable[[int, torch.Generator], object] | None = None,
         steps_per_epoch: int | None = None,
         grad_clip: float = 0.0,
+        network=None,
         **hyper,
     ) -> None:
-        self.n_agents = n = _check_shards(shards)
+        self.n_agents = n = check_shards(shards)
         self.batch_size = check_int("batch_size", batch_size)
         self.seed = check_int("seed", seed, 0)
         if init not in INITS:
@@ -243,6 +248,8 @@ class Executor:
         self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
         self.bytes_across_processes = 0.0
+        #: the simulated network's clock and its records (:mod:`cdsgd.executor.timing`), or None
+        self.clock = None if network is None else ClockFeed(network, self)
 
     def _held_test_set(self, test_set: tuple[torch.Tensor, torch.Tensor],
                        eval_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,10 +275,14 @@ class Executor:
         t0 = time.perf_counter()
         alg, X, k = self.algorithm, self.X, self.k
         mixer = self.mixer.at(k)  # W_k of a time-varying schedule; the one mixer otherwise
+        clock, sent = self.clock, self.mixer.bytes_sent.clone()
+        mixer = mixer if clock is None else clock.mixer(mixer, k)  # the step's lost messages taken out
         mask = alg.participants(k)
         active = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
         handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap else None
+        t1 = time.perf_counter()
         losses = self.gradients.gradients(active, self._batches(active))
+        t1 = time.perf_counter() - t1
         if alg.mixes_params and not self.overlap:
             handle = alg.start(X, self.state, mixer)
         alg.update(X, self._G, self.state, k=k, mixer=mixer, mixed=handle)
@@ -280,6 +291,8 @@ class Executor:
         self._loss_sums[active] += losses
         self._loss_counts[active] += 1
         self._check_finite(active, losses)
+        if clock is not None:
+            clock.record(active, t1, self.mixer.bytes_sent - sent)
         self._wall += time.perf_counter() - t0
         #: the mean batch loss of the agents held here at the last step (NaN if none stepped)
         self.last_loss = float(losses.mean()) if active else float("nan")
@@ -388,18 +401,6 @@ class Executor:
         model = self.models[i] if len(self.models) == len(self.agents) else copy.deepcopy(self.models[0])
         self.layout.load_into(model, self.X[i])
         return model
-
-
-def _check_shards(shards: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The number of agents: one per shard, each an (inputs, targets) pair of equal lengths (else a ValueError)."""
-    if len(shards) < 1:
-        raise ValueError("shards is empty; the simulator needs at least one agent")
-    for j, shard in enumerate(shards):
-        if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
-            raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
-        if len(shard[0]) != len(shard[1]):
-            raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
-    return len(shards)
 
 
 def _make_algorithm(algorithm: str | Algorithm, hyper: dict) -> Algorithm:

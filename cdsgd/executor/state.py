@@ -40,6 +40,7 @@ def state_dict(ex) -> dict:
         "bytes_sent": ex.mixer.bytes_sent.clone(),
         "bytes_across": float(ex.mixer.bytes_across),
         "eval_bytes": float(ex.reducer.bytes),
+        "network": None if ex.clock is None else ex.clock.state_dict(),
     }
 
 
@@ -75,3 +76,8 @@ def load_state_dict(ex, state: dict) -> None:
     ex.eval_seconds = float(state.get("eval_seconds", 0.0))
     if "nonfinite" in state:
         ex._nonfinite.copy_(state["nonfinite"])
+    if (state.get("network") is None) != (ex.clock is None):
+        raise ValueError("checkpoint and this run differ in their simulated network (one has a clock, the other "
+                         "none); resume with the network of the checkpoint's run")
+    if ex.clock is not None:
+        ex.clock.load_state_dict(state["network"])

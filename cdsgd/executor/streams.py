@@ -15,7 +15,7 @@ import torch
 from ..base.flat import kept as kept_buffer
 from ..base.seeding import derive_seed
 
-__all__ = ["AgentRNG", "BatchStream", "gather"]
+__all__ = ["AgentRNG", "BatchStream", "check_shards", "gather"]
 
 
 class BatchStream:
@@ -119,3 +119,15 @@ def gather(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, store: dict, key
     by = kept_buffer(store, ("targets", key), (len(idx), *y.shape[1:]), y)
     return (torch.index_select(x, 0, idx.to(x.device), out=bx),
             torch.index_select(y, 0, idx.to(y.device), out=by))
+
+
+def check_shards(shards: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The number of agents: one per shard, each an (inputs, targets) pair of equal lengths (else a ValueError)."""
+    if len(shards) < 1:
+        raise ValueError("shards is empty; the simulator needs at least one agent")
+    for j, shard in enumerate(shards):
+        if not (isinstance(shard, (tuple, list)) and len(shard) == 2):
+            raise ValueError(f"shard {j} must be an (inputs, targets) pair, got {type(shard).__name__}")
+        if len(shard[0]) != len(shard[1]):
+            raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
+    return len(shards)

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 import topologies
@@ -141,8 +142,28 @@ def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
         eval_agents=cfg.eval_agents or default_eval_agents(cfg.n_agents), eval_samples=cfg.eval_samples or None, exact=cfg.exact,
         augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
         batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch, grad_clip=cfg.grad_clip,
-        agents=group.agents, reducer=group.reducer(torch.device(cfg.device)),
+        agents=group.agents, reducer=group.reducer(torch.device(cfg.device)), network=parts.plan.network,
     )
+
+
+def to_target(rows: list[dict], target: float) -> dict:
+    """The first evaluation whose ``test_accuracy`` reaches ``target``: its step, simulated and wall seconds.
+
+    ``{"target_accuracy": target, "steps_to_target": ..., "sim_seconds_to_target": ...,
+    "wall_seconds_to_target": ...}``, the last three None when no row reaches it (or, for the
+    simulated seconds, when the run has no network).
+
+    >>> to_target([{"step": 5, "test_accuracy": 0.7, "sim_seconds": 1.0, "wall_seconds": 0.1},
+    ...            {"step": 10, "test_accuracy": 0.85, "sim_seconds": 2.0, "wall_seconds": 0.2}], 0.8)["steps_to_target"]
+    10
+    """
+    hit = next((r for r in rows if r["test_accuracy"] >= target), None)
+    out = {"target_accuracy": target, "steps_to_target": None, "sim_seconds_to_target": None,
+           "wall_seconds_to_target": None}
+    if hit is not None:
+        out.update(steps_to_target=hit["step"], sim_seconds_to_target=_json_number(hit.get("sim_seconds", float("nan"))),
+                   wall_seconds_to_target=hit["wall_seconds"])
+    return out
 
 
 def _default_log(msg: str) -> None:
@@ -316,6 +337,11 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         log(f"warning: {note}")
     for line in sim.algorithm.prepare(sim.mixer.at(sim.k), sim.X):  # e.g. CHOCO's consensus_step="auto"
         log(line)
+    if sim.clock is not None:
+        clock = sim.clock.clock
+        summary.update(network_params_used=clock.spec.params(), stragglers=np.flatnonzero(clock.straggler).tolist())
+        log(f"simulated network {clock.spec.name}: " + ", ".join(f"{k} {v:g}" for k, v in clock.spec.params().items()
+                                                                  if v is not None) + " (sim_seconds in metrics.csv)")
     if getattr(parts.plan.algorithm, "needs_tree", False):
         summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in parts.plan.graph.edges())
     eval_steps = cfg.eval_every * sim.steps_per_epoch
@@ -401,6 +427,11 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             accs = [r["test_accuracy"] for r in rows if not math.isnan(r["test_accuracy"])]
             summary.update({k: _json_number(v) for k, v in final.items()})
             summary["best_test_accuracy"] = max(accs) if accs else None
+            summary["simulated_seconds"] = _json_number(final.get("sim_seconds", float("nan")))
+            if sim.clock is not None:
+                summary["lost_messages"] = sim.clock.clock.lost_messages
+            if cfg.target_accuracy:
+                summary.update(to_target(rows, cfg.target_accuracy))
             summary["evaluations"] = len(rows)
             summary["train_seconds"] = sim._wall
             summary["eval_seconds"] = sim.eval_seconds

@@ -45,7 +45,9 @@ from ..base.compat import item_as_attribute
 from ..base.seeding import generator
 from ..config import Config, check_ranges, key_info
 from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
+from ..network import NetworkSpec, network_spec
 from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
+from ..executor.timing import check_network
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
 from .logger import check_logger
 
@@ -83,6 +85,8 @@ class Plan:
     notes: list = field(default_factory=list)
     #: the data set, when the door had to load it (the user's own model or data set); else None
     data: Dataset | None = field(default=None, repr=False)
+    #: the simulated network (``network``, ``network_params``), or None: no clock
+    network: NetworkSpec | None = None
 
     @property
     def uses_graph(self) -> bool:
@@ -159,6 +163,8 @@ def validate_config(cfg: Config) -> Plan:
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA device; use device=cpu")
     _check_compression(cfg)
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
+    network = network_spec(cfg.network, cfg.network_params)
+    check_network(network, algorithm, in_one_process=cfg.executor == "sim")
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     if uses_graph(algorithm):
         # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
@@ -179,7 +185,7 @@ def validate_config(cfg: Config) -> Plan:
         check_model_options(cfg.model, cfg.model_params, input_shape=data.input_shape, n_classes=data.n_classes,
                             sample=data.train[0][:2])
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=gap, algorithm=algorithm, data=data,
-                notes=_notes(cfg, G, algorithm))
+                notes=_notes(cfg, G, algorithm), network=network)
 
 
 def _check_compression(cfg: Config) -> None:

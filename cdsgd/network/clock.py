@@ -1,0 +1,249 @@
+r"""The simulated network clock: message sizes, the graph and computation times → simulated seconds.
+
+A pure model (numpy only): it never sleeps and never touches parameters.
+The executor feeds it, after every step k, each agent's computation time
+c_j(k) and the bytes it sent; the clock keeps, for every agent j, the time
+s_j(k) at which it starts step k (s_j(0) = 0) and the time u_j from which
+its uplink is free.
+
+**Gossip** (algorithms whose ``traffic`` is ``"neighbours"``). Agent j
+sends its step-k messages one after another over its own uplink, to its
+out-neighbours i of W_k (W_k[i, j] ≠ 0, i ≠ j) in increasing order of i,
+each of the size the run really sends (the bytes the mixer counted for j
+this step divided by j's out-degree: compressed messages included; an
+algorithm's several vectors to one neighbour in one step count as one
+message of their total size). With bandwidth B (bit/s), latency L and the
+transfer time τ_j = m_j · 8 / B::
+
+    σ_j   = max(u_j, s_j)              (overlap: the exchange runs during the computation)
+    σ_j   = max(u_j, s_j + c_j)        (overlap = false: the exchange starts after it)
+    a_ij  = σ_j + r_ij · τ_j + L       (r_ij: i's place, 1-based, among the messages j sends)
+    u_j  ← σ_j + (messages sent) · τ_j
+    s_i(k+1) = max(s_i + c_i, max over the step-k messages i receives of a_ij)
+
+So an agent starts step k + 1 when its own computation is done and every
+step-k message it waits for has arrived (neighbour-synchronous, as the
+runtime behaves). With no computation every agent of a d-regular graph
+starts step k at exactly k · (d · τ + L); with computation c and overlap
+false at k · (c + d · τ + L), with overlap at k · max(c, d · τ + L).
+
+**All-reduce** (``sgd``, ``msgd``): a ring all-reduce after the slowest
+agent's computation: 2(N − 1) rounds of latency plus the bytes each agent
+sends in it (2(N − 1)/N · P · b, what the mixer counts) over its uplink;
+every agent finishes together. **FedAvg** rounds go through a server with
+the agents' bandwidth: the n participants upload m = P · b bytes each in
+parallel (m · 8 / B + L), then the server sends the average to each of them
+over its uplink (n · m · 8 / B + L). A step in which an agent sends nothing
+(a FedAvg local step, ``local``) costs its computation only.
+
+**Losses.** ``drop``: each message independently lost with that
+probability; ``link_failure``: each edge down for one step with that
+probability (both directions; nothing is sent over it). The draws of step k
+come from the stream (seed, "network", k), so the mixing and the clock see
+the same losses (:meth:`NetworkClock.losses`). A lost message is not waited
+for (the receiver is assumed to learn of the loss at once; a timeout is not
+modelled); a dropped one still occupies its sender's uplink.
+
+**Stragglers**: ``round(stragglers · N)`` agents drawn by (seed, "stragglers")
+compute ``straggler_slowdown`` times slower for the whole run.
+
+Example (a 4-ring, 1 kB messages at 8 Mbit/s, 1 ms latency, no computation:
+each step takes 2 · 1 ms + 1 ms)::
+
+    >>> import numpy as np, topologies
+    >>> from cdsgd.network import network_spec
+    >>> W = topologies.mixing_matrix(topologies.build("ring", 4))
+    >>> clock = NetworkClock(network_spec("none", {"bandwidth_mbps": 8, "latency_ms": 1, "compute_ms": 0}), W)
+    >>> for k in range(3):
+    ...     _ = clock.advance(np.zeros(4), np.full(4, 2000.0))
+    >>> round(clock.seconds, 9)
+    0.009
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..base.seeding import derive_seed
+from .spec import NetworkSpec
+
+__all__ = ["NetworkClock", "stragglers"]
+
+#: what a clock can be told about an algorithm's traffic
+TRAFFIC = ("neighbours", "allreduce", "server", "none")
+
+
+def stragglers(spec: NetworkSpec, n_agents: int, seed: int) -> np.ndarray:
+    """The boolean N-vector of stragglers: ``round(spec.stragglers · N)`` agents drawn by (seed, "stragglers").
+
+    >>> from cdsgd.network import network_spec
+    >>> int(stragglers(network_spec("edge", {"stragglers": 0.25}), 16, 0).sum())
+    4
+    """
+    mask = np.zeros(n_agents, dtype=bool)
+    count = int(round(spec.stragglers * n_agents))
+    if count:
+        rng = np.random.default_rng(derive_seed(seed, "stragglers"))
+        mask[rng.choice(n_agents, size=count, replace=False)] = True
+    return mask
+
+
+class _Graph:
+    """The directed edges (receiver i ← sender j) of one W_k, sorted by (i, j), with what the clock needs."""
+
+    def __init__(self, W, n: int) -> None:
+        import scipy.sparse as sp
+
+        S = sp.coo_array(W if sp.issparse(W) else np.asarray(W, dtype=np.float64))
+        keep = (S.row != S.col) & (S.data != 0)
+        recv, send, weight = S.row[keep].astype(np.int64), S.col[keep].astype(np.int64), S.data[keep].astype(float)
+        order = np.lexsort((send, recv))
+        self.recv, self.send, self.weight = recv[order], send[order], weight[order]
+        self.out_degree = np.bincount(self.send, minlength=n).astype(np.float64)
+        # the sender's order: by sender, then receiver (i's place among j's messages)
+        self.by_sender = np.lexsort((self.recv, self.send))
+        lo, hi = np.minimum(self.recv, self.send), np.maximum(self.recv, self.send)
+        _, self.link = np.unique(lo * n + hi, return_inverse=True)  # one link per unordered pair
+        self.n_links = int(self.link.max()) + 1 if len(self.link) else 0
+
+
+class NetworkClock:
+    """Simulated seconds of a run on ``spec``'s network (see the module docstring for the model).
+
+    Args:
+        spec: the network (:func:`cdsgd.network.network_spec`).
+        W: the N×N mixing matrix (dense or ``scipy.sparse``), a :class:`topologies.Schedule`,
+            or None for algorithms without a graph (``traffic`` "allreduce", "server" or "none").
+        n_agents: N (default: W's size).
+        traffic: "neighbours" (gossip along W_k), "allreduce" (a ring all-reduce),
+            "server" (FedAvg's star) or "none".
+        overlap: whether an agent's messages go out during its computation (the runtime's default).
+        seed: the root of the straggler and loss draws.
+        message_bytes: P · b, one full parameter vector (the "server" traffic's message).
+
+    Public state: ``start`` (each agent's start time of its next step), ``seconds`` (the latest of
+    them: the time at which the last agent finished its last step), ``k`` (steps advanced),
+    ``straggler`` (the boolean mask), ``lost_messages`` (messages lost so far).
+    """
+
+    def __init__(self, spec: NetworkSpec, W=None, *, n_agents: int | None = None, traffic: str = "neighbours",
+                 overlap: bool = True, seed: int = 0, message_bytes: float = 0.0) -> None:
+        if traffic not in TRAFFIC:
+            raise ValueError(f"traffic {traffic!r} is unknown; allowed: {', '.join(TRAFFIC)}")
+        if traffic == "neighbours" and W is None:
+            raise ValueError("a gossip clock (traffic='neighbours') needs the mixing matrix W")
+        self.spec, self.traffic, self.overlap, self.seed = spec, traffic, bool(overlap), int(seed)
+        self.message_bytes = float(message_bytes)
+        period = None
+        if W is not None:
+            period = list(W) if hasattr(W, "period") else [W]  # a topologies.Schedule, or one matrix
+        n = n_agents if n_agents is not None else (period[0].shape[0] if period else None)
+        if n is None:
+            raise ValueError("give n_agents (or W)")
+        self.n_agents = int(n)
+        self._graphs = [_Graph(Wk, self.n_agents) for Wk in period] if period and traffic == "neighbours" else []
+        self.straggler = stragglers(spec, self.n_agents, self.seed)
+        self.slowdown = np.where(self.straggler, spec.straggler_slowdown, 1.0)
+        self.start = np.zeros(self.n_agents)
+        self.uplink = np.zeros(self.n_agents)
+        self.k = 0
+        self.lost_messages = 0
+
+    # ------------------------------------------------------------------ losses
+
+    def graph(self, k: int) -> _Graph:
+        """The edges of W_k (gossip clocks only)."""
+        return self._graphs[k % len(self._graphs)]
+
+    def losses(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(dropped, failed)``: boolean masks over the edges of W_k (:meth:`graph`) lost at step k.
+
+        Deterministic in (seed, k): the mixing and the clock draw the same. All
+        false without ``drop`` and ``link_failure``.
+        """
+        g = self.graph(k)
+        E = len(g.recv)
+        if not self.spec.lossy or E == 0:
+            none = np.zeros(E, dtype=bool)
+            return none, none.copy()
+        rng = np.random.default_rng(derive_seed(self.seed, "network", k))
+        dropped = rng.random(E) < self.spec.drop
+        failed = (rng.random(g.n_links) < self.spec.link_failure)[g.link]
+        return dropped & ~failed, failed
+
+    # ------------------------------------------------------------------ clock
+
+    @property
+    def seconds(self) -> float:
+        """The simulated time at which the last agent finished its last step."""
+        return float(self.start.max()) if self.n_agents else 0.0
+
+    def compute_seconds(self, measured: np.ndarray) -> np.ndarray:
+        """Each agent's computation time this step: ``compute_ms`` (or ``measured``), times its slowdown."""
+        base = np.asarray(measured, dtype=float) if self.spec.compute_ms is None else np.full(
+            self.n_agents, self.spec.compute_ms / 1e3)
+        return base * self.slowdown
+
+    def advance(self, measured: np.ndarray, sent: np.ndarray) -> float:
+        """Advance by one step: ``measured`` each agent's computation seconds (used when ``compute_ms`` is
+        absent; 0 for an agent that did not compute), ``sent`` the bytes each agent sent this step.
+        Returns :attr:`seconds`."""
+        c = self.compute_seconds(measured)
+        sent = np.asarray(sent, dtype=float)
+        done = self.start + c
+        if self.traffic == "none" or not sent.any():
+            self.start = done
+        elif self.traffic in ("allreduce", "server"):
+            self._collective(done, sent)
+        else:
+            self._gossip(c, done, sent)
+        self.k += 1
+        return self.seconds
+
+    def _collective(self, done: np.ndarray, sent: np.ndarray) -> None:
+        spec, part = self.spec, sent > 0
+        t0 = done[part].max()
+        if self.traffic == "allreduce":
+            t = t0 + spec.transfer_seconds(sent[part].max()) + 2 * (self.n_agents - 1) * spec.latency
+        else:  # FedAvg's server star: upload in parallel, then the server sends to each participant in turn
+            m = self.message_bytes
+            t = t0 + spec.transfer_seconds(m) + spec.latency + spec.transfer_seconds(part.sum() * m) + spec.latency
+        self.start = np.where(part, t, done)
+        self.uplink = np.where(part, t, self.uplink)
+
+    def _gossip(self, c: np.ndarray, done: np.ndarray, sent: np.ndarray) -> None:
+        spec, g = self.spec, self.graph(self.k)
+        dropped, failed = self.losses(self.k)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            size = np.where(g.out_degree > 0, sent / g.out_degree, 0.0)  # one message's bytes, per sender
+        tau = size * 8.0 / (spec.bandwidth_mbps * 1e6)
+        sigma = np.maximum(self.uplink, self.start if self.overlap else done)
+        # each edge's place among its sender's messages actually sent (failed links send nothing)
+        live = (~failed) & (sent[g.send] > 0)
+        order = g.by_sender
+        counts = np.cumsum(live[order])
+        first = np.searchsorted(g.send[order], g.send[order], side="left")
+        before = np.where(first > 0, counts[first - 1], 0)
+        place = np.empty(len(order), dtype=np.float64)
+        place[order] = counts - before  # 1-based among the sender's live messages (valid where live)
+        arrive = sigma[g.send] + place * tau[g.send] + spec.latency
+        waited = live & ~dropped
+        finish = done.copy()
+        np.maximum.at(finish, g.recv[waited], arrive[waited])
+        n_sent = np.bincount(g.send[live], minlength=self.n_agents)
+        self.uplink = np.where(n_sent > 0, sigma + n_sent * tau, self.uplink)
+        self.start = finish
+        self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
+
+    # ------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict:
+        """The clock's state (numbers and lists: loads with ``weights_only``)."""
+        return {"k": self.k, "start": self.start.tolist(), "uplink": self.uplink.tolist(),
+                "lost_messages": self.lost_messages}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`."""
+        self.k, self.lost_messages = int(state["k"]), int(state["lost_messages"])
+        self.start = np.asarray(state["start"], dtype=float)
+        self.uplink = np.asarray(state["uplink"], dtype=float)
