@@ -150,7 +150,7 @@ class Config:
     network: str = key("none", "simulated network clock: none | datacenter | lan | wan | edge (a preset), giving "
                        "metrics.csv's sim_seconds; network_params alone defines a custom one", identity=True)
     network_params: dict = key({}, "overrides of the network: bandwidth_mbps, latency_ms, compute_ms (absent: "
-                               "measured), stragglers, straggler_slowdown, drop, link_failure")
+                               "measured), stragglers, straggler_slowdown, drop, link_failure, agents_per_host")
     target_accuracy: float = key(0.0, "a test accuracy to reach: summary.json and the sweep's results.csv give the "
                                  "steps and simulated seconds to it (0: off)", low=0, note=" (0 means off)")
     init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))

@@ -71,11 +71,14 @@ def test_simulator_and_runtime_agree(tmp_path, alg, extra):
 
 
 def test_exact_mode_bit_identical(tmp_path):
-    sim, tor = run_both(tmp_path, ["algorithm=cdmsgd", "exact=true", "topology=star"], "exact")
+    """Also: a simulated network's clock with a fixed compute_ms gives the same sim_seconds on both executors."""
+    net = ["network=edge", "network_params={compute_ms=3, stragglers=0.25}"]
+    sim, tor = run_both(tmp_path, ["algorithm=cdmsgd", "exact=true", "topology=star", *net], "exact")
     assert torch.equal(torch.load(sim / "params.pt"), torch.load(tor / "params.pt"))
     for a, b in zip(metrics(sim), metrics(tor)):
-        for k in ("epoch", "step", "test_accuracy", "bytes_sent_per_agent"):
+        for k in ("epoch", "step", "test_accuracy", "bytes_sent_per_agent", "sim_seconds"):
             assert a[k] == b[k]
+        assert a["sim_seconds"] > 0
 
 
 def test_training_bytes_are_degree_times_p_times_steps(tmp_path):

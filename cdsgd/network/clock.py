@@ -44,6 +44,17 @@ the same losses (:meth:`NetworkClock.losses`). A lost message is not waited
 for (the receiver is assumed to learn of the loss at once; a timeout is not
 modelled); a dropped one still occupies its sender's uplink.
 
+**Hosts** (``agents_per_host`` = h: agents 0..h−1 share host 0, and so
+on; by default every agent is its own host). The uplink belongs to the
+host: a message between two agents of one host costs nothing (it
+arrives when its sender is ready), and a host sends its agents' messages to
+other hosts one after another, in the order (ready time, sender, receiver)::
+
+    d_e = max(d_(e−1), ready_j) + τ_j      (d before the step's first: the host's u_h)
+    a_ij = d_e + L
+
+With one agent per host this is the per-agent model above.
+
 **Stragglers**: ``round(stragglers · N)`` agents drawn by (seed, "stragglers")
 compute ``straggler_slowdown`` times slower for the whole run.
 
@@ -120,6 +131,8 @@ class NetworkClock:
         overlap: whether an agent's messages go out during its computation (the runtime's default).
         seed: the root of the straggler and loss draws.
         message_bytes: P · b, one full parameter vector (the "server" traffic's message).
+        hosts: each agent's host (an N-vector of host ids; default: consecutive blocks of
+            ``spec.agents_per_host`` agents, each agent its own host when that is 1).
 
     Public state: ``start`` (each agent's start time of its next step), ``seconds`` (the latest of
     them: the time at which the last agent finished its last step), ``k`` (steps advanced),
@@ -127,7 +140,7 @@ class NetworkClock:
     """
 
     def __init__(self, spec: NetworkSpec, W=None, *, n_agents: int | None = None, traffic: str = "neighbours",
-                 overlap: bool = True, seed: int = 0, message_bytes: float = 0.0) -> None:
+                 overlap: bool = True, seed: int = 0, message_bytes: float = 0.0, hosts=None) -> None:
         if traffic not in TRAFFIC:
             raise ValueError(f"traffic {traffic!r} is unknown; allowed: {', '.join(TRAFFIC)}")
         if traffic == "neighbours" and W is None:
@@ -145,7 +158,14 @@ class NetworkClock:
         self.straggler = stragglers(spec, self.n_agents, self.seed)
         self.slowdown = np.where(self.straggler, spec.straggler_slowdown, 1.0)
         self.start = np.zeros(self.n_agents)
-        self.uplink = np.zeros(self.n_agents)
+        self.hosts = None
+        if hosts is None and spec.agents_per_host > 1:
+            hosts = np.arange(self.n_agents) // spec.agents_per_host
+        if hosts is not None:
+            _, self.hosts = np.unique(np.asarray(hosts).reshape(-1), return_inverse=True)
+            if len(self.hosts) != self.n_agents:
+                raise ValueError(f"hosts must name one host per agent ({self.n_agents}), got {len(self.hosts)}")
+        self.uplink = np.zeros(self.n_agents if self.hosts is None else int(self.hosts.max()) + 1)
         self.k = 0
         self.lost_messages = 0
 
@@ -217,6 +237,8 @@ class NetworkClock:
         with np.errstate(divide="ignore", invalid="ignore"):
             size = np.where(g.out_degree > 0, sent / g.out_degree, 0.0)  # one message's bytes, per sender
         tau = size * 8.0 / (spec.bandwidth_mbps * 1e6)
+        if self.hosts is not None:
+            return self._gossip_hosts(g, tau, done, sent, dropped, failed)
         sigma = np.maximum(self.uplink, self.start if self.overlap else done)
         # each edge's place among its sender's messages actually sent (failed links send nothing)
         live = (~failed) & (sent[g.send] > 0)
@@ -232,6 +254,24 @@ class NetworkClock:
         np.maximum.at(finish, g.recv[waited], arrive[waited])
         n_sent = np.bincount(g.send[live], minlength=self.n_agents)
         self.uplink = np.where(n_sent > 0, sigma + n_sent * tau, self.uplink)
+        self.start = finish
+        self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
+
+    def _gossip_hosts(self, g: _Graph, tau: np.ndarray, done: np.ndarray, sent: np.ndarray, dropped: np.ndarray,
+                      failed: np.ndarray) -> None:
+        """The gossip step with uplinks per host (the module docstring's **Hosts**)."""
+        ready = self.start if self.overlap else done
+        live = (~failed) & (sent[g.send] > 0)
+        host_s, host_r = self.hosts[g.send], self.hosts[g.recv]
+        arrive = ready[g.send].astype(float)  # within a host: when the sender is ready
+        across = np.flatnonzero(live & (host_s != host_r))
+        for e in across[np.lexsort((g.recv[across], g.send[across], ready[g.send[across]], host_s[across]))]:
+            h, j = host_s[e], g.send[e]
+            self.uplink[h] = max(self.uplink[h], ready[j]) + tau[j]
+            arrive[e] = self.uplink[h] + self.spec.latency
+        waited = live & ~dropped
+        finish = done.copy()
+        np.maximum.at(finish, g.recv[waited], arrive[waited])
         self.start = finish
         self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
 

@@ -9,7 +9,7 @@ defines a custom network whose other keys take :data:`DEFAULTS`::
     >>> network_spec("edge").bandwidth_mbps, network_spec("edge").latency_ms
     (10.0, 25.0)
     >>> network_spec("none", {"bandwidth_mbps": 100, "latency_ms": 5, "compute_ms": 0})
-    NetworkSpec(name='custom', bandwidth_mbps=100.0, latency_ms=5.0, compute_ms=0.0, stragglers=0.0, straggler_slowdown=4.0, drop=0.0, link_failure=0.0)
+    NetworkSpec(name='custom', bandwidth_mbps=100.0, latency_ms=5.0, compute_ms=0.0, stragglers=0.0, straggler_slowdown=4.0, drop=0.0, link_failure=0.0, agents_per_host=1)
     >>> network_spec("none") is None
     True
     >>> network_spec("lna")
@@ -58,6 +58,7 @@ DEFAULTS = {
     "straggler_slowdown": 4.0,
     "drop": 0.0,
     "link_failure": 0.0,
+    "agents_per_host": 1,
 }
 
 #: the keys of ``network_params`` and what each means (docs and errors)
@@ -69,6 +70,8 @@ NETWORK_KEYS = {
     "straggler_slowdown": "how many times slower a straggler computes (>= 1)",
     "drop": "probability that one message is lost ([0, 1))",
     "link_failure": "probability that an edge is down for one step, both directions ([0, 1))",
+    "agents_per_host": "agents 0..h-1, h..2h-1, ... share one host's uplink; messages within a host cost nothing "
+                       "(an integer >= 1)",
 }
 
 #: the named networks (docs: the table in this module's docstring and docs/network.md)
@@ -92,6 +95,7 @@ class NetworkSpec:
     straggler_slowdown: float
     drop: float
     link_failure: float
+    agents_per_host: int = 1
 
     @property
     def lossy(self) -> bool:
@@ -112,9 +116,13 @@ class NetworkSpec:
         return {k: getattr(self, k) for k in NETWORK_KEYS}
 
 
-def _check_value(key: str, value) -> float | None:
+def _check_value(key: str, value) -> float | int | None:
     if key == "compute_ms" and value is None:
         return None
+    if key == "agents_per_host":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"network_params.{key} must be an integer >= 1, got {value!r} ({NETWORK_KEYS[key]})")
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"network_params.{key} must be a number, got {value!r} ({NETWORK_KEYS[key]})")
     v = float(value)
