@@ -74,7 +74,7 @@ class Config:
 
     # --- algorithm and executor
     algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | choco | beer | "
-                         "relaysum | sgd | msgd | fedavg | local",
+                         "relaysum | adpsgd | sgd | msgd | fedavg | local",
                          registry="algorithm", identity=True)
     executor: str = key("sim", "sim: all agents in one process; torch: torchrun ranks, each holding "
                         "n_agents/ranks agents", choices=("sim", "torch"))

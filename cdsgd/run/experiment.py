@@ -47,6 +47,7 @@ from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
 from ..data import random_crop_flip
 from ..executor import METRIC_COLUMNS, Diverged, Executor
+from ..executor.asynchronous import executor_class
 from ..executor.evaluation import default_eval_agents
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
@@ -135,7 +136,7 @@ def _json_number(v):
 
 def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
     """The executor of this process: every agent (one process) or the block of agents its rank holds."""
-    return Executor(
+    return executor_class(parts.plan.algorithm)(  # AsyncExecutor for adpsgd
         parts.model_fn, parts.shards, group.mixer(parts.W, exact=cfg.exact, n_agents=cfg.n_agents), parts.plan.algorithm,
         batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
         test_set=parts.test_set, eval_batch_size=cfg.eval_batch_size,

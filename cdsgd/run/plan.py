@@ -47,6 +47,7 @@ from ..config import Config, check_ranges, key_info
 from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
 from ..network import NetworkSpec, network_spec
 from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
+from ..executor.asynchronous import check_asynchronous
 from ..executor.timing import check_network
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
 from .logger import check_logger
@@ -164,6 +165,7 @@ def validate_config(cfg: Config) -> Plan:
     _check_compression(cfg)
     algorithm = make_algorithm(cfg.algorithm, **hyperparameters(cfg))  # lr, momentum, ... checked by the rule
     network = network_spec(cfg.network, cfg.network_params)
+    check_asynchronous(network, algorithm, in_one_process=cfg.executor == "sim")  # adpsgd: sim, compute_ms given
     check_network(network, algorithm, in_one_process=cfg.executor == "sim")
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     if uses_graph(algorithm):
