@@ -19,7 +19,9 @@ from cdsgd.report.plotting import draw_topology, plot_run, plot_sweep, run_figur
 from cdsgd.run.sweep import RESULT_COLUMNS
 
 METRICS = ["epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_accuracy_avg_model",
-           "consensus_distance", "bytes_sent_per_agent", "wall_seconds"]
+           "consensus_distance", "bytes_sent_per_agent", "wall_seconds", "sim_seconds"]
+#: what a run dict of :func:`make_sweep` may hold besides its varying keys
+RUN_FIELDS = ("seed", "acc", "avg", "bytes", "secs", "loss", "sim", "target")
 
 
 def write_csv(path, fields, rows):
@@ -32,23 +34,33 @@ def write_csv(path, fields, rows):
 
 def make_sweep(root, runs, epochs=(1.0, 2.0, 3.0)):
     """A sweep folder: ``runs`` are dicts of the varying keys plus seed, acc, avg (final accuracies
-    of the agents and of the average model) and bytes; metrics rise linearly to the final values."""
-    keys = [k for k in runs[0] if k not in ("seed", "acc", "avg", "bytes", "secs", "loss")]
+    of the agents and of the average model) and bytes; metrics rise linearly to the final values.
+    Optional: secs (training seconds per epoch), loss, sim (simulated seconds per epoch: a network's
+    clock) and target (target_accuracy: the *_to_target columns as a run computes them)."""
+    from cdsgd.run.experiment import to_target
+
+    keys = [k for k in runs[0] if k not in RUN_FIELDS]
     rows = []
     for r in runs:
         name = ",".join(f"{k}={r[k]}" for k in keys + ["seed"])
         last = len(epochs)
-        write_csv(root / name / "metrics.csv", METRICS, [
+        metrics = [
             {"epoch": e, "step": 10 * (k + 1), "train_loss": 1.0 / (k + 1),
              "test_loss": r.get("loss", 1.2) / (k + 1),
              "test_accuracy": r["acc"] * (k + 1) / last,
              "test_accuracy_avg_model": r["avg"] and r["avg"] * (k + 1) / last,  # "": not evaluated
              "consensus_distance": 0.5 / (k + 1), "bytes_sent_per_agent": r["bytes"] * (k + 1) / last,
-             "wall_seconds": r.get("secs", 1.0) * k} for k, e in enumerate(epochs)])
+             "wall_seconds": r.get("secs", 1.0) * k, "sim_seconds": r["sim"] * (k + 1) if "sim" in r else float("nan")}
+            for k, e in enumerate(epochs)]
+        write_csv(root / name / "metrics.csv", METRICS, metrics)
+        timed = {"simulated_seconds": metrics[-1]["sim_seconds"]} if "sim" in r else {}
+        if r.get("target"):
+            timed.update(to_target(metrics, r["target"]))
         rows.append({**{k: r[k] for k in keys}, "seed": r["seed"], "spectral_gap": 0.5, "effective_neighbours": 3.0,
                      "epoch": epochs[-1], "step": 10 * last, "test_accuracy": r["acc"],
                      "test_accuracy_avg_model": r["avg"], "consensus_distance": 0.1, "bytes_sent_per_agent": r["bytes"],
-                     "status": "completed", "run": name})
+                     "status": "completed", "run": name,
+                     **{k: v for k, v in timed.items() if k in RESULT_COLUMNS and v is not None}})
     write_csv(root / "results.csv", keys + RESULT_COLUMNS, rows)
     return root
 
@@ -218,6 +230,95 @@ def test_plot_sweep_keeps_its_file_list_api(tmp_path):
     assert all(open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in files)
 
 
+# ------------------------------------------------------------------------------ simulated network time
+
+
+def network_sweep(root, target=0.0, seeds=(0, 1)):
+    """topology × network, as experiments/ablations/network_smoke.toml: an edge network's seconds are 100x a
+    datacenter's; per epoch the ring takes 1 unit, the complete graph 4 (a seed's evaluations 10 % apart)."""
+    runs = [{"topology": topo, "network": net, "seed": s, "acc": acc, "avg": acc, "bytes": 1e5,
+             "sim": unit * scale * (1 + 0.1 * s), "target": target}
+            for topo, unit, acc in (("complete", 4.0, 0.9), ("ring", 1.0, 0.75))
+            for net, scale in (("datacenter", 0.01), ("edge", 1.0)) for s in seeds]
+    return make_sweep(root, runs)
+
+
+def test_accuracy_vs_sim_time_draws_every_run_at_its_simulated_seconds(tmp_path):
+    """One panel per network (own x scale) and model; one curve per topology at the seeds' mean simulated
+    seconds, a band over the seeds; the target's level in the agents' panels."""
+    fig = sweep_figures(network_sweep(tmp_path, target=0.8))["accuracy_vs_sim_time.png"]
+    axes = {ax.get_title(): ax for ax in visible_axes(fig)}
+    assert sorted(axes) == sorted(f"network={n}\n{m}" for n in ("datacenter", "edge")
+                                  for m in ("agents' own models (mean)", "average model x̄"))
+    for title_, ax in axes.items():
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        scale = 0.01 if "datacenter" in title_ else 1.0
+        for topo, unit, acc in (("complete", 4.0, 0.9), ("ring", 1.0, 0.75)):  # no run's points missing
+            line = lines[f"topology={topo}"]
+            np.testing.assert_allclose(line.get_xdata(), unit * scale * 1.05 * np.arange(1, 4))  # seeds' mean
+            np.testing.assert_allclose(line.get_ydata(), acc * np.arange(1, 4) / 3)
+        assert ("target accuracy 0.8" in lines) == ("agents" in title_)
+        assert len(ax.collections) == 2  # a band per topology: two seeds
+        assert ax.get_xlabel() == "simulated seconds" and ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
+    assert title(fig) == "test accuracy vs simulated seconds (mean over 2 seeds, band: min–max)"
+
+
+def test_time_to_target_shows_runs_that_never_reached_it(tmp_path):
+    """The complete graph reaches 0.8 at its third evaluation (0.9 · 3/3), the ring never (0.75): a hollow
+    marker in a column 'not reached' per panel, with its count of seeds; none is dropped."""
+    fig = sweep_figures(network_sweep(tmp_path, target=0.8))["time_to_target.png"]
+    assert fig.legends == []  # the series are the rows, named on the y axis
+    for ax in visible_axes(fig):
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["topology=complete", "topology=ring"]
+        (point,) = ax.containers
+        scale = 0.01 if "datacenter" in ax.get_title() else 1.0
+        x, y = point.lines[0].get_xdata()[0], point.lines[0].get_ydata()[0]
+        assert (x, y) == (pytest.approx(3 * 4.0 * scale * 1.05), 0)  # the seeds' mean, on the complete row
+        bar = point.lines[2][0].get_segments()[0]
+        assert bar[:, 0] == pytest.approx([3 * 4.0 * scale, 3 * 4.0 * scale * 1.1])  # min–max over seeds
+        (hollow,) = [line for line in ax.get_lines() if line.get_gid() == "not reached"]
+        assert hollow.get_markerfacecolor() == "none" and list(hollow.get_ydata()) == [1]  # the ring's row
+        assert hollow.get_xdata()[0] > ax.get_xlim()[0] + 0.75 * (ax.get_xlim()[1] - ax.get_xlim()[0])
+        assert [t.get_text() for t in ax.texts] == ["2 of 2 seeds"]
+        assert "not\nreached" in [text for _, text in labelled_xticks(ax)]
+        assert ax.get_xlabel() == "simulated seconds to test accuracy ≥ 0.8"
+
+
+def test_time_to_target_counts_a_seed_that_missed_beside_one_that_reached(tmp_path):
+    runs = [{"topology": "ring", "network": "edge", "seed": 0, "acc": 0.9, "avg": 0.9, "bytes": 1e5, "sim": 2.0,
+             "target": 0.85},
+            {"topology": "ring", "network": "edge", "seed": 1, "acc": 0.8, "avg": 0.8, "bytes": 1e5, "sim": 2.0,
+             "target": 0.85},
+            {"topology": "torus", "network": "edge", "seed": 0, "acc": 0.9, "avg": 0.9, "bytes": 1e5, "sim": 3.0,
+             "target": 0.85}]
+    (ax,) = visible_axes(sweep_figures(make_sweep(tmp_path, runs))["time_to_target.png"])
+    reached = {c.get_label(): c.lines[0].get_xdata()[0] for c in ax.containers}
+    assert reached == {"topology=ring": pytest.approx(6.0), "topology=torus": pytest.approx(9.0)}
+    assert [t.get_text() for t in ax.texts] == ["1 of 2 seeds"]
+
+
+def test_network_alone_gets_a_log_time_axis_in_plain_numbers(tmp_path):
+    """Networks as the colours, in one panel: their seconds lie 100x apart, so the time axes are logarithmic,
+    ticks reading 0.1 or 10 rather than 10⁻¹."""
+    runs = [{"network": net, "seed": 0, "acc": 0.9, "avg": 0.9, "bytes": 1e5, "sim": secs, "target": 0.5}
+            for net, secs in (("datacenter", 0.02), ("lan", 0.2), ("edge", 2.0))]
+    figures = sweep_figures(make_sweep(tmp_path, runs))
+    for name in ("accuracy_vs_sim_time.png", "time_to_target.png"):
+        ax = visible_axes(figures[name])[0]
+        assert ax.get_xscale() == "log", name
+        texts = [text for _, text in labelled_xticks(ax)]
+        assert texts and all(t.replace(".", "").isdigit() for t in texts), (name, texts)
+
+
+def test_no_time_figures_without_a_network_or_a_target(tmp_path):
+    runs = [{"topology": t, "seed": 0, "acc": 0.9, "avg": 0.9, "bytes": 1e5, "target": 0.5} for t in ("ring", "star")]
+    assert not {"accuracy_vs_sim_time.png", "time_to_target.png"} & set(sweep_figures(make_sweep(tmp_path / "a", runs)))
+    for r in runs:
+        r.update(sim=1.0, target=0.0)
+    names = set(sweep_figures(make_sweep(tmp_path / "b", runs)))
+    assert "accuracy_vs_sim_time.png" in names and "time_to_target.png" not in names
+
+
 # ------------------------------------------------------------------------------ one run
 
 
@@ -256,6 +357,31 @@ def test_run_figure_fractional_epochs_and_no_train_loss(tmp_path):
     assert title(fig) == tmp_path.name  # no config.toml / summary.json: the folder's name
     ticks = [loc for loc, _ in labelled_xticks(visible_axes(fig)[0])]
     assert any(loc != round(loc) for loc in ticks), ticks
+
+
+def test_run_figure_adds_accuracy_against_simulated_seconds(tmp_path):
+    """A run on a simulated network: a fourth panel (the four in a square) with both accuracies against
+    sim_seconds and the target's level; the title names the network."""
+    import json
+
+    rows = [{"epoch": e, "step": 3 * e, "test_accuracy": 0.3 * e, "test_accuracy_avg_model": 0.31 * e,
+             "consensus_distance": 0.1, "train_loss": 1.0 / e, "test_loss": 1.1 / e, "sim_seconds": 2.5 * e}
+            for e in (1, 2, 3)]
+    write_csv(tmp_path / "metrics.csv", list(rows[0]), rows)
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"algorithm": "cdsgd", "topology": "ring", "n_agents": 16, "mixing": "metropolis", "network": "edge",
+         "dataset": "digits", "partition": "iid", "model": "mlp", "seed": 0, "target_accuracy": 0.8}))
+    fig = run_figure(tmp_path)
+    axes = visible_axes(fig)
+    assert len(axes) == 4 and fig.get_figwidth() == fig.get_figheight() / 4.4 * 5.2  # 2 x 2
+    timed = next(ax for ax in axes if ax.get_xlabel() == "simulated seconds")
+    lines = {line.get_label(): line for line in timed.get_lines()}
+    for label, per_epoch in (("agents' own models (mean)", 0.3), ("average model x̄", 0.31)):
+        np.testing.assert_allclose(lines[label].get_xdata(), [2.5, 5.0, 7.5])
+        np.testing.assert_allclose(lines[label].get_ydata(), per_epoch * np.arange(1, 4))
+    assert list(lines["target accuracy 0.8"].get_ydata()) == [0.8, 0.8]
+    assert "edge network" in title(fig)
+    assert sum(ax.get_xlabel() == "epoch" for ax in axes) == 3
 
 
 # ------------------------------------------------------------------------------ topology drawings

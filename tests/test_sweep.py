@@ -219,3 +219,136 @@ def test_bucket_fill_study_is_the_bucketing_study_with_filled_batches(tmp_path, 
         assert cfg.bucket_fill and cfg.epochs == (40 if cfg.bucketing == 1 else 60)
         same = {**cfg.__dict__, "bucket_fill": False, "epochs": plain[key].epochs, "out": ""}
         assert same == {**plain[key].__dict__, "out": ""}
+
+
+# ------------------------------------------------------------------------------ simulated network time
+
+
+def fake_run(out, name, overrides, **summary):
+    """A finished run folder written by hand: its config.toml (from ``overrides``) and a summary.json."""
+    from cdsgd.config import dump_config, load_config
+
+    folder = out / name
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(dump_config(load_config(None, overrides)))
+    base = {"status": "completed", "spectral_gap": 0.5, "effective_neighbours": 3.0, "epoch": 5.0, "step": 15,
+            "test_accuracy": 0.9, "test_accuracy_avg_model": 0.9, "consensus_distance": 0.1,
+            "bytes_sent_per_agent": 1e6, "wall_seconds": 2.0, "simulated_seconds": None}
+    (folder / "summary.json").write_text(json.dumps({**base, **summary}))
+
+
+def test_results_csv_and_table_carry_the_simulated_time_to_target(tmp_path):
+    """results.csv takes simulated_seconds and the *_to_target values from each summary.json (empty cells where
+    a run has none); table.md gives them per group over the seeds that reached the target."""
+    from cdsgd.run.sweep import collect, group_table
+
+    out = tmp_path / "out"
+    reached = {"target_accuracy": 0.8, "steps_to_target": 9, "sim_seconds_to_target": 0.25,
+               "wall_seconds_to_target": 1.0}
+    missed = {"target_accuracy": 0.8, "steps_to_target": None, "sim_seconds_to_target": None,
+              "wall_seconds_to_target": None}
+    common = ["target_accuracy=0.8"]
+    fake_run(out, "ring-dc-0", [*common, "topology='ring'", "network='datacenter'", "seed=0"],
+             simulated_seconds=0.5, **reached)
+    fake_run(out, "ring-dc-1", [*common, "topology='ring'", "network='datacenter'", "seed=1"],
+             simulated_seconds=0.6, **{**reached, "steps_to_target": 12, "sim_seconds_to_target": 0.35})
+    fake_run(out, "ring-edge-0", [*common, "topology='ring'", "network='edge'", "seed=0"],
+             simulated_seconds=20.0, **missed)
+    fake_run(out, "ring-edge-1", [*common, "topology='ring'", "network='edge'", "seed=1"],
+             simulated_seconds=21.0, **{**reached, "sim_seconds_to_target": 12.0})
+    fake_run(out, "ring-none-0", [*common, "topology='ring'", "network='none'", "seed=0"], **reached | {
+        "sim_seconds_to_target": None})
+    collect(out)
+    fields, rows = read_results(out)
+    assert fields == ["network"] + RESULT_COLUMNS
+    assert fields[fields.index("wall_seconds") + 1:fields.index("status")] == [
+        "simulated_seconds", "target_accuracy", "steps_to_target", "sim_seconds_to_target"]
+    got = {r["run"]: (r["simulated_seconds"], r["target_accuracy"], r["steps_to_target"], r["sim_seconds_to_target"])
+           for r in rows}
+    assert got == {"ring-dc-0": ("0.5", "0.8", "9", "0.25"), "ring-dc-1": ("0.6", "0.8", "12", "0.35"),
+                   "ring-edge-0": ("20.0", "0.8", "", ""), "ring-edge-1": ("21.0", "0.8", "9", "12.0"),
+                   "ring-none-0": ("", "0.8", "9", "")}
+    table = group_table(out).splitlines()
+    assert table[0].endswith("| MB sent/agent | simulated s | steps to acc ≥ 0.8 | simulated s to acc ≥ 0.8 |")
+    cells = {c[0]: c[-3:] for c in ([x.strip() for x in line.split("|")[1:-1]] for line in table[2:])}
+    assert cells == {"datacenter": ["0.55 ± 0.0707", "10 ± 2", "0.3 ± 0.0707"],
+                     "edge": ["20.5 ± 0.707", "9 (1/2 reached)", "12 (1/2 reached)"],
+                     "none": ["", "9", ""]}
+
+
+def test_table_without_a_network_or_target_has_no_time_columns(tmp_path):
+    from cdsgd.run.sweep import collect, group_table
+
+    out = tmp_path / "out"
+    for t in ("ring", "torus"):
+        fake_run(out, t, [f"topology='{t}'", "n_agents=9"])
+    collect(out)
+    assert group_table(out).splitlines()[0].endswith("| test loss | MB sent/agent |")
+    fake_run(out, "complete", ["topology='complete'", "n_agents=9", "target_accuracy=0.95"], target_accuracy=0.95,
+             steps_to_target=None, sim_seconds_to_target=None)
+    collect(out)
+    head, *_, last = group_table(out).splitlines()
+    assert head.endswith("| MB sent/agent | steps to acc ≥ 0.95 |") and "simulated" not in head
+    assert last.startswith("| torus |") and last.endswith("| not reached |")  # a run without it: not reached
+
+
+def test_a_target_that_varies_groups_the_runs():
+    """target_accuracy is a results column (the summary's), yet a sweep over it must not pool its runs as seeds."""
+    from cdsgd.run.sweep import group_keys
+
+    rows = [{"topology": "ring", "target_accuracy": t, **{c: "" for c in RESULT_COLUMNS if c != "target_accuracy"}}
+            for t in ("0.8", "0.9")]
+    assert group_keys(rows) == ["topology", "target_accuracy"]
+    assert group_keys(rows[:1]) == ["topology"]
+
+
+def test_a_grid_over_networks_expands_and_validates(tmp_path):
+    p = write(tmp_path, TINY + """target_accuracy = 0.8
+network_params = { compute_ms = 2.0 }
+[grid]
+network = ["datacenter", "edge"]
+topology = ["ring", "star"]
+""")
+    runs = load_sweep(p, tmp_path / "out")
+    assert {(r.config.network, r.config.topology) for r in runs} == {
+        (n, t) for n in ("datacenter", "edge") for t in ("ring", "star")}
+    assert {(r.config.target_accuracy, json.dumps(r.config.network_params)) for r in runs} == {
+        (0.8, '{"compute_ms": 2.0}')}
+    assert "network=edge,topology=star" in [r.folder.name for r in runs]
+    with pytest.raises(ValueError, match="network 'lna' is unknown; did you mean 'lan'"):
+        load_sweep(write(tmp_path, TINY + "[grid]\nnetwork = ['lna']\n", "bad.toml"), tmp_path / "bad")
+
+
+def test_network_smoke_study_expands(tmp_path, monkeypatch):
+    """experiments/ablations/network_smoke.toml: docs/sweeps.md's time-to-accuracy figures."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    runs = load_sweep(root / "experiments" / "ablations" / "network_smoke.toml", tmp_path / "out")
+    assert sorted((r.config.topology, r.config.network, r.config.seed) for r in runs) == sorted(
+        (t, n, s) for t in ("ring", "complete", "torus") for n in ("datacenter", "edge") for s in (0, 1))
+    assert {(r.config.dataset, r.config.n_agents, r.config.target_accuracy) for r in runs} == {("digits", 16, 0.94)}
+
+
+def test_real_sweep_on_simulated_networks_plots_time_to_accuracy(tmp_path):
+    spec = write(tmp_path, TINY + """target_accuracy = 0.5
+[grid]
+network = ["datacenter", "edge"]
+topology = ["ring", "complete"]
+""")
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(spec), "--out", str(out), "--jobs", "2"]) == 0
+    fields, rows = read_results(out)
+    assert fields == ["topology", "network"] + RESULT_COLUMNS  # config keys in their order
+    for r in rows:
+        summary = json.loads((out / r["run"] / "summary.json").read_text())
+        assert float(r["simulated_seconds"]) == summary["simulated_seconds"] > 0
+        assert r["target_accuracy"] == "0.5" and r["steps_to_target"] == str(summary["steps_to_target"])
+    edge = {r["topology"]: float(r["simulated_seconds"]) for r in rows if r["network"] == "edge"}
+    dc = {r["topology"]: float(r["simulated_seconds"]) for r in rows if r["network"] == "datacenter"}
+    assert all(edge[t] > dc[t] for t in edge)  # the same steps take longer on the slower network
+    assert cli.main(["plot", str(out)]) == 0
+    for name in ("accuracy_vs_sim_time.png", "time_to_target.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "| simulated s | steps to acc ≥ 0.5 | simulated s to acc ≥ 0.5 |" in (out / "table.md").read_text()

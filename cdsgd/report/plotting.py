@@ -11,6 +11,8 @@ import numpy as np
 
 import topologies
 
+from .axes import bytes_axis, format_bytes_axis, format_seconds_axis, log_if_wide, whole_epochs
+from .time_to_target import TargetSeries, draw_time_to_target
 from .topology_drawing import draw_topology, pyplot, save_figure, topology_figure
 
 __all__ = ["draw_topology", "topology_figure", "plot_run", "run_figure", "plot_sweep", "sweep_figures"]
@@ -53,26 +55,8 @@ def _column(rows, key) -> np.ndarray:
     return np.array([_num(r.get(key)) for r in rows])
 
 
-def _whole_epochs(ax, epochs) -> None:
-    """Integer ticks on an epoch axis whose points all fall on whole epochs (no 1.25 between 1 and 2)."""
-    from matplotlib.ticker import MaxNLocator
-
-    e = np.asarray(epochs, dtype=float)
-    e = e[np.isfinite(e)]
-    if len(e) and np.all(e == np.round(e)):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def _log_if_wide(ax, values) -> None:
-    """A log y axis when the positive values span 10x or more (a narrower span gets only minor ticks)."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    if len(v) and v.min() > 0 and v.max() >= 10 * v.min():
-        ax.set_yscale("log")
-
-
-def _run_title(folder) -> str:
-    """Algorithm, topology, n, data set ... of a run, from its summary.json (or config.toml while it runs)."""
+def _run_info(folder) -> dict:
+    """A run's config.toml and summary.json (the latter winning) as one dict; {} when neither reads."""
     import json
     import tomllib
 
@@ -82,13 +66,35 @@ def _run_title(folder) -> str:
             info.update(read((folder / name).read_text(encoding="utf-8")))
         except (OSError, ValueError):
             pass
+    return info
+
+
+def _run_title(folder, info: dict) -> str:
+    """Algorithm, topology, n, data set ... of a run (``info``: :func:`_run_info`), else the folder's name."""
     if "algorithm" not in info:
         return folder.name
     from ..config import short_value as show
 
+    net = f", {info['network']} network" if info.get("network", "none") != "none" else ""
     return (f"{info['algorithm']} on {show(info.get('topology'))} (n={info.get('n_agents')}, "
-            f"{info.get('mixing')}), {info.get('dataset')} ({info.get('partition')}), {info.get('model')}, "
+            f"{info.get('mixing')}{net}), {info.get('dataset')} ({info.get('partition')}), {info.get('model')}, "
             f"seed {info.get('seed')}\n{folder.name}")
+
+
+def _accuracy_curves(ax, x, rows, target=None) -> None:
+    """The agents' mean and the average model's test accuracy against ``x``, and the target's level."""
+    ax.plot(x, _column(rows, "test_accuracy"), marker="o", label="agents' own models (mean)")
+    ax.plot(x, _column(rows, "test_accuracy_avg_model"), marker="s", linestyle="--", label="average model x̄")
+    if target:
+        _target_line(ax, [target])
+    ax.set_ylabel("test accuracy")
+    ax.legend()
+
+
+def _target_line(ax, targets) -> None:
+    """A dotted level at each ``target_accuracy`` (it is the agents' mean that must reach it)."""
+    for t in targets:
+        ax.axhline(t, color="0.35", linestyle=":", linewidth=1.2, label=f"target accuracy {t:g}")
 
 
 def run_figure(folder):
@@ -101,30 +107,39 @@ def run_figure(folder):
                      ("epoch", "test_accuracy", "test_accuracy_avg_model", "consensus_distance"))
     if not rows:
         raise ValueError(f"{folder / 'metrics.csv'} has no rows yet")
-    ep = _column(rows, "epoch")
+    info = _run_info(folder)
+    ep, sim = _column(rows, "epoch"), _column(rows, "sim_seconds")
+    timed = bool(np.isfinite(sim).any())  # a simulated network: accuracy against its seconds too
     losses = [(k, lab) for k, lab in (("train_loss", "training (batch loss)"),
                                            ("test_loss", "test"))
               if np.isfinite(_column(rows, k)).any()]
-    fig, axes = plt.subplots(1, 2 + bool(losses), figsize=(5.2 * (2 + bool(losses)), 4.4))
+    n = 2 + bool(losses) + timed
+    shape = (2, 2) if n == 4 else (1, n)  # four panels in a square: a row of four would print too small
+    fig, grid = plt.subplots(*shape, figsize=(5.2 * shape[1], 4.4 * shape[0]), squeeze=False)
+    axes = list(grid.flat)
     a, b = axes[0], axes[-1]
-    a.plot(ep, _column(rows, "test_accuracy"), marker="o", label="agents' own models (mean)")
-    a.plot(ep, _column(rows, "test_accuracy_avg_model"), marker="s", linestyle="--", label="average model x̄")
-    a.set_ylabel("test accuracy")
-    a.legend()
+    _accuracy_curves(a, ep, rows)
+    if timed:
+        _accuracy_curves(axes[1], sim, rows, info.get("target_accuracy"))
+        axes[1].set_xlabel("simulated seconds")
+        axes[1].grid(alpha=0.3, which="both")
     if losses:
+        lax = axes[1 + timed]
         for k, lab in losses:
-            axes[1].plot(ep, _column(rows, k), marker="o" if k == "train_loss" else "s", label=lab)
-        axes[1].set_ylabel("loss (mean over agents' own models)")
-        axes[1].legend()
+            lax.plot(ep, _column(rows, k), marker="o" if k == "train_loss" else "s", label=lab)
+        lax.set_ylabel("loss (mean over agents' own models)")
+        lax.legend()
     dist = _column(rows, "consensus_distance")
     b.plot(ep, dist, marker="o", color="C2")
-    _log_if_wide(b, dist)
+    log_if_wide(b, dist)
     b.set_ylabel("consensus distance sqrt(mean ||x_j - x̄||²)")
     for ax in axes:
+        if timed and ax is axes[1]:
+            continue
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3, which="both")
-        _whole_epochs(ax, ep)
-    fig.suptitle(_run_title(folder), fontsize=11)
+        whole_epochs(ax, ep)
+    fig.suptitle(_run_title(folder, info), fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -132,49 +147,13 @@ def run_figure(folder):
 def plot_run(folder, out=None) -> list[str]:
     """Curves of one run folder, saved as ``curves.png``: test accuracy (agents' mean and the
     average model), training and test loss (when metrics.csv has them) and consensus distance
-    against epochs; the title names the algorithm, topology, n, data set, model and seed.
+    against epochs, and with a simulated network (``sim_seconds``) the test accuracy against
+    simulated seconds (a dotted level at ``target_accuracy`` when set); the title names the
+    algorithm, topology, n, network, data set, model and seed.
     Returns the files written."""
     from pathlib import Path
 
     return [save_figure(run_figure(folder), Path(out or folder) / "curves.png", "figure")]
-
-
-_UNITS = ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
-
-
-def _bytes_axis(values) -> tuple[float, str, bool]:
-    """How to show bytes: (divisor, unit, log scale). Log only when the values span 10x or more."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    lo, hi = (float(v.min()), float(v.max())) if len(v) else (0.0, 0.0)
-    log = lo > 0 and hi / lo >= 10
-    scale, unit = next(((s, u) for s, u in _UNITS if hi >= s), (1.0, "bytes"))
-    return (1.0, "bytes", True) if log else (scale, unit, False)
-
-
-def _bytes_text(v, _pos=None) -> str:
-    """A byte count with its unit: '200 kB', '1 MB', '5 GB'."""
-    s, u = next(((s, u) for s, u in _UNITS if abs(v) >= s), (1.0, "B"))
-    return f"{v / s:.3g} {u}" if v else "0"
-
-
-def _format_bytes_axis(ax, log: bool, xs) -> None:
-    """Labelled ticks whatever the range: a log axis gets 1-2-5 ticks (one per decade beyond 100x)
-    labelled with their units; a plain axis, in the label's unit, is widened around a single value."""
-    from matplotlib import ticker
-
-    if log:
-        ax.set_xscale("log")
-        lo, hi = np.nanmin(xs), np.nanmax(xs)
-        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0) if hi / lo < 100 else (1.0,)))
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(_bytes_text))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    else:
-        ax.xaxis.set_major_formatter(ticker.ScalarFormatter(useOffset=False))
-        lo, hi = np.nanmin(xs), np.nanmax(xs)
-        if hi - lo <= 0.05 * abs(hi):  # one value (or nearly): show it with a margin, not at 1e-3 resolution
-            mid, half = (lo + hi) / 2, max(0.1 * abs(hi), 1.0)
-            ax.set_xlim(mid - half, mid + half)
 
 
 def _seed_note(groups, spread: str) -> str:
@@ -191,7 +170,7 @@ def sweep_figures(folder) -> dict:
     from pathlib import Path
 
     from ..config import short_value as show
-    from ..run.sweep import RESULT_COLUMNS
+    from ..run.sweep import group_keys
 
     plt = pyplot()
     folder = Path(folder)
@@ -201,7 +180,7 @@ def sweep_figures(folder) -> dict:
         raise ValueError(f"{folder} holds no run to plot: no metrics.csv (a run folder), and "
                          f"{folder / 'results.csv'} lists no completed run (a sweep folder)")
 
-    varying = [k for k in results[0] if k not in RESULT_COLUMNS]
+    varying = group_keys(results)
     # a key that only mirrors another (e.g. mixing zipped with topology) adds no information
     for k in reversed(list(varying)):  # keep the first of two mirrored keys
         for k2 in varying:
@@ -211,6 +190,10 @@ def sweep_figures(folder) -> dict:
                 break
     values = {k: sorted({r[k] for r in results}, key=_order) for k in varying}
     keys = sorted(varying, key=lambda k: -len(values[k]))
+    # the network sets the time scale (an edge network's seconds are 100x a datacenter's): with another key
+    # for the colours, its values split the panels, each time axis on its own scale
+    pinned = ["network"] if "network" in keys and len(keys) > 1 else []
+    keys = [k for k in keys if k not in pinned]
     hue = keys[0] if keys else None
     style = keys[1] if len(keys) > 1 else None
     # a key that follows from the series' keys (algorithm=cdmsgd whenever compression=none) names the series
@@ -218,7 +201,7 @@ def sweep_figures(folder) -> dict:
     series_keys = [k for k in (hue, style) if k]
     told = [k for k in keys[2:] if series_keys and len({tuple(r[j] for j in series_keys) for r in results}) ==
             len({(tuple(r[j] for j in series_keys), r[k]) for r in results})]
-    facet_keys = [k for k in keys[2:] if k not in told]
+    facet_keys = pinned + [k for k in keys[2:] if k not in told]
     facets = sorted({tuple(r[k] for k in facet_keys) for r in results}, key=lambda t: [_order(v) for v in t])
     colors = {v: f"C{i % 10}" for i, v in enumerate(values[hue])} if hue else {}
     styles = ["-", "--", ":", "-."]
@@ -253,9 +236,9 @@ def sweep_figures(folder) -> dict:
     def panels(per_facet):
         """One row of ``per_facet`` axes (sharing y) per facet, up to 3 axes across."""
         n = len(facets)
-        cols = max(1, 3 // per_facet) if n > 1 else 1
+        cols = min(n, max(1, 3 // per_facet))
         rows_ = (n + cols - 1) // cols
-        fig, grid = plt.subplots(rows_, cols * per_facet, figsize=(5.0 * cols * per_facet + 3.2, 4.2 * rows_),
+        fig, grid = plt.subplots(rows_, cols * per_facet, figsize=(5.0 * cols * per_facet, 4.2 * rows_),
                                  squeeze=False)
         flat = list(grid.flat)
         for ax in flat[n * per_facet:]:
@@ -273,38 +256,46 @@ def sweep_figures(folder) -> dict:
     for (_, h, st), _runs in ordered:
         rank.setdefault(label(h, st), len(rank))
 
-    def finish(fig, axes, title):
+    def finish(fig, axes, title, legend=True):
         seen = {}
         for ax in (ax for row in axes for ax in row):  # every panel: a group may appear in some panels only
             ax.grid(alpha=0.3)
             for h, lab in zip(*ax.get_legend_handles_labels()):
                 seen.setdefault(lab, h)
-        seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-        fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=8)
+        seen = dict(sorted(seen.items(), key=lambda kv: rank.get(kv[0], len(rank)))) if legend else {}
+        if seen:
+            fig.legend(seen.values(), seen.keys(), loc="center right", fontsize=8)
         fig.suptitle(title, fontsize=11)
+        fig.set_figwidth(max(fig.get_figwidth(), 0.085 * len(title)))  # the title fits (11 points: ~0.08 inch a letter)
         # room for the legend: about 0.06 inch per character at 8 points, plus the marker
-        margin = max(3.0, 0.06 * max(map(len, seen), default=0) + 0.6)
-        fig.set_figwidth(fig.get_figwidth() + margin - 3.0)
+        margin = 0.06 * max(map(len, seen), default=0) + 0.8 if seen else 0.0
+        fig.set_figwidth(fig.get_figwidth() + margin)
         fig.tight_layout(rect=(0, 0, 1 - margin / fig.get_figwidth(), 0.95))
         return fig
 
     figures = {}
-    for name, columns, ylabel, log, xcol in (
+    simulated = any(r.get("simulated_seconds") not in (None, "") for r in results)  # a network's clock ran
+    targets = sorted({t for r in results if np.isfinite(t := _num(r.get("target_accuracy")))})
+    curves = [
         ("accuracy_vs_epoch.png", [m for m, _ in models], "test accuracy", False, "epoch"),
         ("consensus_vs_epoch.png", ["consensus_distance"], "consensus distance", True, "epoch"),
         # time to a loss, the measure of Khomenko et al. (2016) for bucketing: training seconds (evaluation
         # excluded); with several seeds the curve sits at the mean time and loss of each evaluation
         ("loss_vs_time.png", ["test_loss"], "test loss", True, "wall_seconds"),
-    ):
+        # time to accuracy on the simulated network (cdsgd.network): its seconds, not this machine's
+        ("accuracy_vs_sim_time.png", [m for m, _ in models], "test accuracy", False, "sim_seconds")]
+    for name, columns, ylabel, log, xcol in curves[:3 + simulated]:
         fig, axes = panels(len(columns))
         drawn = []  # every (x, values) plotted: the axes' scales are decided on all of them
+        ends: dict = {}  # each panel's curves' last x: a log time axis when they lie 10x apart or more
         for (f, h, st), runs in ordered:
             for ax, column in zip(axes[facets.index(f)], columns):
                 rows = [series(r["run"]) for r in runs]
                 n = min(len(x) for x in rows)
-                if n == 0:
+                ep = np.array([_column(x[:n], xcol) for x in rows]).mean(0) if n else np.array([np.nan])
+                if not np.isfinite(ep).any():  # no evaluation yet, or no network in this run
                     continue
-                ep = np.array([_column(x[:n], xcol) for x in rows]).mean(0)
+                ends.setdefault(ax, []).append(ep[np.isfinite(ep)][-1])
                 vals = np.array([_column(x[:n], column) for x in rows])
                 color = colors.get(h, "C0")
                 ax.plot(ep, vals.mean(0), color=color, linestyle=styles[style_of.get(st, 0) % len(styles)],
@@ -312,15 +303,21 @@ def sweep_figures(folder) -> dict:
                 if len(runs) > 1:
                     ax.fill_between(ep, vals.min(0), vals.max(0), color=color, alpha=0.12)
                 drawn.append((ep, vals))
-        xlabel = "epoch" if xcol == "epoch" else "training seconds (evaluation excluded)"
+        xlabel = {"epoch": "epoch", "wall_seconds": "training seconds (evaluation excluded)",
+                  "sim_seconds": "simulated seconds"}[xcol]
         for ax in (ax for row in axes for ax in row):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             if drawn:
                 if xcol == "epoch":
-                    _whole_epochs(ax, np.concatenate([e for e, _ in drawn]))
+                    whole_epochs(ax, np.concatenate([e for e, _ in drawn]))
                 if log:
-                    _log_if_wide(ax, np.concatenate([v.ravel() for _, v in drawn]))
+                    log_if_wide(ax, np.concatenate([v.ravel() for _, v in drawn]))
+            if xcol == "sim_seconds" and not format_seconds_axis(ax, ends.get(ax, [])):
+                ax.set_xlim(left=0)  # time to accuracy from the start: distances read as ratios
+        if xcol == "sim_seconds":
+            for row in axes:
+                _target_line(row[0], targets)  # the agents' mean is what must reach it
         figures[name] = finish(fig, axes, f"{ylabel} vs {xlabel.split(' (')[0]} ({_seed_note(groups, 'band')})")
 
     for xcol, name, xlabel in (
@@ -331,7 +328,7 @@ def sweep_figures(folder) -> dict:
     ):
         if any(r.get(xcol) in (None, "") for r in results):  # e.g. results.csv of an older release
             continue
-        scale, unit, logx = _bytes_axis([_num(r[xcol]) for r in results]) if "{}" in xlabel else (1.0, "", False)
+        scale, unit, logx = bytes_axis([_num(r[xcol]) for r in results]) if "{}" in xlabel else (1.0, "", False)
         fig, axes = panels(len(models))
         xs_all = []
         for (f, h, st), runs in ordered:
@@ -347,9 +344,22 @@ def sweep_figures(folder) -> dict:
                 ax.set_ylabel("final test accuracy")
         if "{}" in xlabel:
             for ax in (ax for row in axes for ax in row):
-                _format_bytes_axis(ax, logx, xs_all)
+                format_bytes_axis(ax, logx, xs_all)
         figures[name] = finish(fig, axes, f"final test accuracy vs {xlabel.format('bytes')} "
                                           f"({_seed_note(groups, 'bar')})")
+    if simulated and targets:
+        fig, axes = panels(1)
+        series_ = []
+        for (f, h, st), runs in ordered:
+            runs = [r for r in runs if r.get("simulated_seconds") not in (None, "")]  # runs of no network: no clock
+            if runs:
+                hit = [_num(r["sim_seconds_to_target"]) for r in runs if r.get("steps_to_target") not in ("", None)]
+                series_.append(TargetSeries(axes[facets.index(f)][0], rank[label(h, st)], label(h, st),
+                                            colors.get(h, "C0"), markers[style_of.get(st, 0) % len(markers)],
+                                            hit, len(runs)))
+        draw_time_to_target(fig, axes, series_, sorted(rank, key=rank.get), targets)
+        figures["time_to_target.png"] = finish(fig, axes, f"simulated seconds to the target accuracy "
+                                                          f"({_seed_note(groups, 'bar')})", legend=False)
     return figures
 
 
@@ -360,16 +370,22 @@ def plot_sweep(folder, out=None) -> list[str]:
     mean over seeds with a band from the lowest to the highest seed (when a
     group has more than one). To stay readable with many groups, the varying
     key with the most values sets the colour, the next one the line style /
-    marker, and any further keys split the figure into panels; a key that
-    varies only together with another (a zip group) is shown through that
-    one. Accuracy figures have two panels side by side: the agents' own
+    marker, and any further keys split the figure into panels (``network``
+    always does when another key varies: its seconds differ by orders of
+    magnitude); a key that varies only together with another (a zip group)
+    is shown through that one. Accuracy figures have two panels side by side: the agents' own
     models (mean) and the average model x̄. Writes accuracy_vs_epoch.png,
     consensus_vs_epoch.png, loss_vs_time.png (test loss against the training
     seconds, ``wall_seconds``; with several seeds each evaluation sits at the
     seeds' mean time), accuracy_vs_spectral_gap.png,
     accuracy_vs_effective_neighbours.png (when results.csv has the column) and
     accuracy_vs_bytes.png (log axis with 1-2-5 ticks in kB/MB/GB when the
-    runs' bytes span 10x or more).
+    runs' bytes span 10x or more); with a simulated network (results.csv's
+    ``simulated_seconds``) accuracy_vs_sim_time.png (accuracy against the
+    simulated seconds, the target's level dotted), and with a
+    ``target_accuracy`` too time_to_target.png (the simulated seconds to it
+    per series; a seed that never reached it is a hollow marker in a column
+    'not reached').
     """
     from pathlib import Path
 

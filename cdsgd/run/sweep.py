@@ -60,12 +60,16 @@ from ..runtime.group import Terminated
 from .checkpoint import config_for_checkpoint
 from .plan import validate_config
 
-__all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "run_identity", "RESULT_COLUMNS"]
+__all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "group_keys", "run_identity",
+           "RESULT_COLUMNS"]
 
-#: the fixed columns of results.csv, after the sweep's varying keys
+#: the fixed columns of results.csv, after the sweep's varying keys: the run's summary.json values (empty
+#: where it has none: ``simulated_seconds`` without a network, the ``*_target`` ones without a
+#: ``target_accuracy`` or, but ``target_accuracy``, when the run never reached it), then its status and folder
 RESULT_COLUMNS = ["seed", "spectral_gap", "effective_neighbours", "epoch", "step", "train_loss", "test_loss", "test_accuracy",
                   "test_accuracy_avg_model", "consensus_distance", "bytes_sent_per_agent",
-                  "best_test_accuracy", "wall_seconds", "status", "run"]
+                  "best_test_accuracy", "wall_seconds", "simulated_seconds", "target_accuracy", "steps_to_target",
+                  "sim_seconds_to_target", "status", "run"]
 
 _SWEEP_KEYS = {"base", "grid", "zip", "exclude"}
 
@@ -328,7 +332,7 @@ def collect(out: str | os.PathLike) -> list[dict]:
         except (OSError, ValueError):
             continue
         found.append((folder, cfg, summary))
-    keys = [k for k in Config.__dataclass_fields__ if k not in VOLATILE_KEYS and k != "seed"]
+    keys = [k for k in Config.__dataclass_fields__ if k not in VOLATILE_KEYS and k not in RESULT_COLUMNS]
     varying = [k for k in keys if len({json.dumps(getattr(c, k), sort_keys=True) for _, c, _ in found}) > 1]
     rows = []
     for folder, cfg, summary in found:
@@ -351,10 +355,18 @@ def _cell(v):
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
 
 
+def group_keys(rows: list[dict]) -> list[str]:
+    """The keys that group rows of results.csv into runs differing only by their seed: the sweep's varying
+    keys, and ``target_accuracy`` when it differs between the rows (a config key kept among RESULT_COLUMNS)."""
+    keys = [k for k in (rows[0] if rows else ()) if k not in RESULT_COLUMNS]
+    return keys + ["target_accuracy"] * (len({r.get("target_accuracy") for r in rows}) > 1)
+
 
 def group_table(out: str | os.PathLike) -> str:
     """A Markdown table of ``out/results.csv``: completed runs grouped by their varying keys
-    except the seed, with the mean (± standard deviation over seeds) of the final metrics."""
+    except the seed, with the mean (± standard deviation over seeds) of the final metrics; with a
+    network the simulated seconds, and with a ``target_accuracy`` the steps (and simulated seconds)
+    to it over the seeds that reached it ("2/3 reached"; "not reached" when none did)."""
     import statistics
 
     out = Path(out)
@@ -362,13 +374,13 @@ def group_table(out: str | os.PathLike) -> str:
         rows = [r for r in csv.DictReader(f) if r["status"] == "completed"]
     if not rows:
         raise ValueError(f"{out / 'results.csv'} lists no completed run")
-    varying = [k for k in rows[0] if k not in RESULT_COLUMNS]
+    varying = group_keys(rows)
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in varying), []).append(r)
 
     def stat(runs, col, fmt):
-        vals = [float(r[col]) for r in runs if r[col] not in ("", None)]
+        vals = [float(r[col]) for r in runs if r.get(col) not in ("", None)]
         if not vals:
             return ""
         m = statistics.fmean(vals)
@@ -376,11 +388,24 @@ def group_table(out: str | os.PathLike) -> str:
             return f"{m:{fmt}} ± {statistics.stdev(vals):{fmt}}"
         return f"{m:{fmt}}"
 
+    def to_target(runs, col, fmt):
+        reached = [r for r in runs if r.get("steps_to_target") not in ("", None)]
+        if not reached:
+            return "not reached"
+        return stat(reached, col, fmt) + (f" ({len(reached)}/{len(runs)} reached)" if len(reached) < len(runs) else "")
+
+    has = {c for c in ("simulated_seconds", "target_accuracy") if any(r.get(c) not in ("", None) for r in rows)}
+    targets = sorted({r["target_accuracy"] for r in rows if r.get("target_accuracy") not in ("", None)})
+    target = f"acc ≥ {targets[0]}" if len(targets) == 1 else "target"
     cols = [("test_accuracy", "test acc (agents)", ".3f"), ("test_accuracy_avg_model", "test acc (avg model)", ".3f"),
             ("consensus_distance", "consensus dist.", ".3g"), ("train_loss", "train loss", ".3f"),
             ("test_loss", "test loss", ".3f")]
-    head = [*varying, "seeds", "spectral gap", *(c[1] for c in cols),
-            "MB sent/agent"]
+    extra = [(c, head, fmt, cell) for c, head, fmt, cell, need in (
+        ("simulated_seconds", "simulated s", ".3g", stat, "simulated_seconds"),
+        ("steps_to_target", f"steps to {target}", ".0f", to_target, "target_accuracy"),
+        ("sim_seconds_to_target", f"simulated s to {target}", ".3g", to_target, "simulated_seconds"))
+        if need in has and ("target_accuracy" in has or "target" not in c)]
+    head = [*varying, "seeds", "spectral gap", *(c[1] for c in cols), "MB sent/agent", *(e[1] for e in extra)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(varying) + [" ---: "] * (len(head) - len(varying))) + "|"]
     def order(key):  # numbers by value (16 before 256), other values as text
         def one(v):
@@ -395,5 +420,6 @@ def group_table(out: str | os.PathLike) -> str:
         cells += [str(len(runs)), topologies.format_gap(float(runs[0]['spectral_gap']), 3)]
         cells += [stat(runs, c, fmt) for c, _, fmt in cols]
         cells += [f"{float(runs[0]['bytes_sent_per_agent']) / 1e6:.1f}"]
+        cells += [cell(runs, c, fmt) for c, _, fmt, cell in extra]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
