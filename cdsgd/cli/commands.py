@@ -247,11 +247,14 @@ def _add_plot(sub) -> None:
         "plot",
         help="draw the figures of a run or a sweep",
         description="For a run folder (with metrics.csv): curves.png (test accuracy of the agents and of "
-        "the average model, training and test loss, consensus distance vs epoch). For a sweep folder: "
+        "the average model, training and test loss, consensus distance vs epoch; with a simulated network, "
+        "accuracy vs simulated seconds). For a sweep folder: "
         "accuracy_vs_epoch.png, consensus_vs_epoch.png, loss_vs_time.png (test loss against training "
         "seconds), accuracy_vs_spectral_gap.png, "
         "accuracy_vs_effective_neighbours.png and accuracy_vs_bytes.png (the agents' mean accuracy and the "
-        "average model's side by side; mean and min-max band over seeds when a group has several), and "
+        "average model's side by side; mean and min-max band over seeds when a group has several); with a "
+        "simulated network (network=), accuracy_vs_sim_time.png, and with target_accuracy, time_to_target.png "
+        "(simulated seconds to the target per graph, a seed that never reached it marked so); and "
         "table.md: the final metrics per group of runs (mean ± std over seeds).",
         epilog="example: cdsgd plot runs/topology",
     )
