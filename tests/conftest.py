@@ -26,6 +26,7 @@ runs) is ``python -m pytest``.
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
 import multiprocessing.process
@@ -133,9 +134,12 @@ def _refers(obj, seen: set[int]) -> tuple[set[str], list[str]]:
         if set(c.co_names) & _PROCESS_FUNCTIONS:
             modules.add("subprocess")
         _index_imported_test_modules(c.co_names)
+        # only a name imported in the body may be another test module's helper: co_names also holds attribute
+        # names (x.shape), which must not pick up a helper of the same name (netns_rig.shape)
+        imported = {i.argval for i in dis.get_instructions(c) if i.opname == "IMPORT_FROM"}
         for name in c.co_names:
             value = g.get(name)
-            if value is None:  # imported inside the function, from another test module perhaps
+            if value is None and name in imported:  # imported inside the function, from another test module
                 value = _TEST_NAMES.get(name)
             if value is None:
                 continue

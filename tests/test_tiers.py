@@ -119,3 +119,29 @@ def start_pair():
 ''')
     fast = pytester.runpytest_inprocess("--co", "-q", "-m", "not dist", "test_sample.py")
     fast.stdout.fnmatch_lines(["test_sample.py::test_plain", "1/2 tests collected (1 deselected)*"])
+
+
+def test_an_attribute_named_like_a_helper_elsewhere_does_not_mark_dist(pytester):
+    """``x.shape`` is not a call of another test module's ``shape`` helper that starts processes."""
+    _suite(pytester, '''
+import test_tier_rig
+
+
+def test_attribute_only():
+    x = type("X", (), {"shape": (2, 3)})()
+    assert x.shape == (2, 3)
+
+
+def test_the_helper_itself():
+    from test_tier_rig import shape
+    shape()
+''')
+    pytester.makepyfile(test_tier_rig='''
+import subprocess
+
+
+def shape():
+    return subprocess.run(["true"])
+''')
+    fast = pytester.runpytest_inprocess("--co", "-q", "-m", "not dist", "test_sample.py")
+    fast.stdout.fnmatch_lines(["test_sample.py::test_attribute_only", "1/2 tests collected (1 deselected)*"])
