@@ -57,15 +57,16 @@ Figures, per run, from metrics.csv (one row per epoch):
     included, for comparison.
 
 Options beyond the grid: ``--tcp reno|bbr`` sets the TCP congestion control
-inside the two namespaces (only the two a namespace may choose here), and
-``--recv-first`` is a diagnostic: the launched processes get a
-``sitecustomize`` that makes ``cdsgd.runtime.exchange`` post an exchange's
-receives before its sends (:data:`RECV_FIRST`; no arithmetic changes). Gloo
-sends a message only once the receiver's "receive ready" notification has
-arrived, and a rank that posts its sends first writes that notification on
-the TCP connection behind its own outgoing message: each cross-host pair's
-two directions then transfer one after the other, which the clock does not
-model and which costs 1.4–1.65× here (docs/benchmarks.md).
+inside the two namespaces (only the two a namespace may choose here; BBR
+paces each of a host's two flows at its estimated share, which leaves the
+link partly idle: about 10–20 % slower steps here).
+
+The runtime posts each exchange's receives before its sends
+(:func:`cdsgd.base.comm.exchange`): gloo sends a message only once the
+receiver's "receive ready" notification has arrived, and a rank that posted
+its sends first wrote that notification on the TCP connection behind its own
+outgoing message, so each cross-host pair's two directions took turns
+(1.4–1.65× the clock before that change, docs/benchmarks.md).
 
 The header names the machine, the kernel, the load average (other work on
 the machine slows the ranks' computation and the kernel's packet handling:
@@ -99,39 +100,6 @@ RUN = ["dataset=digits", "model=mlp", "algorithm=cdmsgd", "n_agents=4", "batch_s
        "eval_agents=1", "eval_samples=100", "overwrite=true"]
 N_AGENTS, AGENTS_PER_HOST = 4, 2
 STEPS_PER_EPOCH = 12  # digits' 1,437 training samples over 4 agents in batches of 32 (planning only)
-
-
-#: ``--recv-first``: a sitecustomize for the launched processes that makes cdsgd.runtime.exchange post an
-#: exchange's receives before its sends (the works returned in the original order). A diagnostic of this
-#: benchmark only: it changes no arithmetic, only gloo's order of notifications (see the module docstring).
-RECV_FIRST = '''
-import importlib.abc, importlib.util, sys
-
-def _patch(module):
-    post = module.exchange
-
-    def exchange(ops, **kwargs):
-        order = sorted(range(len(ops)), key=lambda i: ops[i][0] != "recv")
-        works = post([ops[i] for i in order], **kwargs)
-        out = [None] * len(ops)
-        for i, w in zip(order, works):
-            out[i] = w
-        return out
-
-    module.exchange = exchange
-
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "cdsgd.runtime.exchange":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        spec.loader.exec_module = lambda m: (run(m), _patch(m))
-        return spec
-
-sys.meta_path.insert(0, _Hook())
-'''
 
 
 def cpu_model() -> str:
@@ -223,8 +191,6 @@ def main(argv=None) -> int:
                         help="timed seconds per run (after the warm-up epoch) the epochs are chosen for (default 15)")
     parser.add_argument("--tcp", choices=("default", "reno", "bbr"), default="default",
                         help="TCP congestion control inside the two namespaces (default: the namespaces' own)")
-    parser.add_argument("--recv-first", action="store_true",
-                        help="diagnostic: the launched runtime posts each exchange's receives before its sends")
     parser.add_argument("--quick", action="store_true", help="ring at 100 Mbit/s only, 5 timed seconds")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--keep", type=pathlib.Path, help="write the runs' folders here (default: a temporary one)")
@@ -255,11 +221,6 @@ def main(argv=None) -> int:
                         netns_rig.run_in(node, "sysctl", "-q", f"net.ipv4.tcp_congestion_control={args.tcp}")
                 cc = netns_rig.run_in(nodes[0], "sysctl", "-n", "net.ipv4.tcp_congestion_control").stdout.strip()
                 env = {}
-                if args.recv_first:
-                    hook = base / "recv_first"
-                    hook.mkdir(exist_ok=True)
-                    (hook / "sitecustomize.py").write_text(RECV_FIRST)
-                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
                 import torch
 
                 print(f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
@@ -273,8 +234,6 @@ def main(argv=None) -> int:
                           f"latency_ms = 0 (asked: {args.latency_ms:g} ms)")
                 else:
                     print(f"shaper: {shaper}")
-                if args.recv_first:
-                    print("diagnostic --recv-first: the runtime posts each exchange's receives before its sends")
                 floats = message_floats()
                 print(f"run: {' '.join(RUN)}; one message {floats:,} float32 = {4 * floats:,} bytes")
                 print(flush=True)
