@@ -12,6 +12,7 @@ MNIST-shaped inputs, 10 classes, ``SHARD`` samples per agent in batches of
 from __future__ import annotations
 
 import pathlib
+import platform
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -26,6 +27,18 @@ SHARD = 64
 BATCH = 32
 #: where Debian's dataset-fashion-mnist puts its files
 FASHION = pathlib.Path("/usr/share/datasets/fashion-mnist")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what platform knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "cpu model", "hardware")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def make_shards(n: int, gen):

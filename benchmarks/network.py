@@ -90,7 +90,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT  # noqa: E402 - the repository on sys.path first
+from _common import ROOT, cpu_model  # noqa: E402 - the repository on sys.path first
 
 sys.path.insert(0, str(ROOT / "tests"))  # the two-namespace rig, shared with tests/test_netns.py
 import netns_rig  # noqa: E402
@@ -100,17 +100,6 @@ RUN = ["dataset=digits", "model=mlp", "algorithm=cdmsgd", "n_agents=4", "batch_s
        "eval_agents=1", "eval_samples=100", "overwrite=true"]
 N_AGENTS, AGENTS_PER_HOST = 4, 2
 STEPS_PER_EPOCH = 12  # digits' 1,437 training samples over 4 agents in batches of 32 (planning only)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "cpu model", "hardware")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def message_floats() -> int:

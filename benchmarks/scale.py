@@ -82,7 +82,7 @@ import subprocess
 import sys
 import time
 
-from _common import BATCH, INPUT_SHAPE, N_CLASSES, ROOT, SHARD  # noqa: E402 - the repository on sys.path first
+from _common import BATCH, INPUT_SHAPE, N_CLASSES, ROOT, SHARD, cpu_model  # noqa: E402 - the repository on sys.path first
 
 LR, MOMENTUM = 0.01, 0.95
 REPEATS = 3
@@ -104,18 +104,6 @@ def _minor_faults() -> int:
 
 def _threads() -> int:
     return int(os.environ.get("SCALE_THREADS", "1"))
-
-
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (else what platform knows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "cpu model", "hardware")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def transparent_hugepages() -> str:
