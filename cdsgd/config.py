@@ -159,6 +159,8 @@ class Config:
     seed: int = key(0, "root of every random stream", low=0, note=" (0 means all/off)", identity=True)
     # --- evaluation and output
     eval_every: int = key(1, "evaluate every this many epochs (and at the end)", low=1)
+    eval_steps: int = key(0, "evaluate every this many steps instead of eval_every epochs (0: off), for a time "
+                             "to accuracy finer than an epoch", low=0, note=" (0 means off)")
     eval_agents: int = key(0, "evaluate this many agents, evenly spaced (0: all up to 32, else 32; summary.json's "
                               "evaluated_agents names them)", low=0, note=" (0 means automatic)")
     eval_samples: int = key(0, "evaluate agents on this many test samples (0: the whole test subset)", low=0,

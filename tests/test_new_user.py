@@ -120,6 +120,8 @@ def test_eval_hint_only_when_evaluation_dominates():
     sim.eval_seconds = 30.0
     hint = _eval_hint(cfg, sim)
     assert "eval_agents=" in hint and "eval_samples=" in hint and "2 agent(s) on 300 test samples" in hint
+    assert "every 1 epoch(s)" in hint
+    assert "every 7 step(s)" in _eval_hint(load_config(overrides=["eval_steps=7"]), sim)
 
 
 def test_eta_counts_the_evaluations_still_to_come():

@@ -32,6 +32,16 @@ def read_metrics(out):
         return [{k: float(v) for k, v in row.items()} for row in reader]
 
 
+def test_eval_steps_evaluates_every_k_steps_and_at_the_end(tmp_path):
+    """eval_steps=3 overrides eval_every (epochs): rows at steps 3, 6, ... and the last step."""
+    out = tmp_path / "r"
+    run_experiment(load_config(overrides=SMALL + [f"out={out}", "eval_steps=3"]), progress=False, log=lambda m: None)
+    rows = read_metrics(out)
+    total = int(rows[-1]["step"])
+    assert rows[-1]["epoch"] == 2.0 and total > 6
+    assert [int(r["step"]) for r in rows] == list(range(3, total + 1, 3)) + ([total] if total % 3 else [])
+
+
 def test_metric_columns_are_the_contract():
     assert list(METRIC_COLUMNS) == CONTRACT_COLUMNS
 

@@ -267,8 +267,8 @@ def _eval_hint(cfg: Config, sim: Executor) -> str:
         return ""
     return (f"evaluation took {format_seconds(evaluation)} against {format_seconds(train)} of training; "
             f"it evaluates {len(sim.eval_agents)} agent(s) on {len(sim.test_set[1]) if sim.test_set else 0} "
-            f"test samples every {cfg.eval_every} epoch(s): eval_agents=, eval_samples= or eval_every= make it "
-            "cheaper (docs/running.md)")
+            f"test samples every {f'{cfg.eval_steps} step(s)' if cfg.eval_steps else f'{cfg.eval_every} epoch(s)'}: "
+            "eval_agents=, eval_samples= or a larger eval_every= (eval_steps=) make it cheaper (docs/running.md)")
 
 
 def _resume_hint(cfg: Config, out: Path, world: int) -> str:
@@ -345,7 +345,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
                                                                   if v is not None) + " (sim_seconds in metrics.csv)")
     if getattr(parts.plan.algorithm, "needs_tree", False):
         summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in parts.plan.graph.edges())
-    eval_steps = cfg.eval_every * sim.steps_per_epoch
+    eval_steps = cfg.eval_steps or cfg.eval_every * sim.steps_per_epoch
     shown = Progress(total=total, every=eval_steps, mode=mode, log=log, initial=sim.k,
                      timing=lambda: (sim._wall, sim.eval_seconds, len(rows)))  # all cumulative from step 0
     board = make_logger(cfg.logger if writer else "none", out,
