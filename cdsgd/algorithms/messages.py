@@ -60,7 +60,14 @@ compressed bytes, the relayed sums. Notation as in
                n_i = 1 + Σ_{j ∈ N(i)} c_{j→i},
                x_i^{k+1} = (x_i^{k+½} + Σ_{j ∈ N(i)} m_{j→i} + (N − n_i) x_i^0) / N
 
-           (m, c = 0 before step 0). On a tree each agent's half-step reaches
+           (m, c = 0 before step 0; x_i^0 the fallback for the agents not yet
+           heard from). On a network that loses messages (an empty message: no
+           value, a count of 0, so n_i < N again) the fallback is the agent's
+           latest model x_i^k instead of x_i^0, as the RelaySGD reference code
+           runs its dropped-message experiments (``relaysum_model_update_ref_state``:
+           the fallback follows the average after each step); x^0 would pull
+           every short-counted average back to the initial model.
+           On a tree each agent's half-step reaches
            every other agent exactly once, delayed by their distance: after
            diam steps n_i = N and x_i is the average of the agents' delayed
            models, without the spectral gap's slow mixing and unbiased by
@@ -259,6 +266,12 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
 
     def __init__(self, *, momentum: float = 0.9, nesterov: bool = True, **common) -> None:
         super().__init__(momentum=momentum, nesterov=nesterov, **common)
+        #: what stands in for the agents not yet heard from: "initial" (x_i^0) or "latest" (x_i^k, under losses)
+        self.fallback = "initial"
+
+    def expect_losses(self) -> None:
+        """Lost messages short the counts at any step: fall back on the agent's latest model (module docstring)."""
+        self.fallback = "latest"
 
     def check_mixing(self, W) -> None:
         """Refuse a schedule and a graph that is not a tree (connected, N − 1 edges)."""
@@ -271,8 +284,9 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
                              "no cycle); build W on topologies.spanning_tree(G) (cdsgd run does)")
 
     def init_state(self, X: torch.Tensor, mixer=None) -> dict:
-        """x^0, the momentum, and the messages received the step before (E×(P+1): each relayed sum, then its
-        count; zero before step 0), sized by ``mixer``'s edges (made at the first step when no mixer is given)."""
+        """The fallback (x^0; x^k under losses), the momentum, and the messages received the step before
+        (E×(P+1): each relayed sum, then its count; zero before step 0), sized by ``mixer``'s edges (made at the
+        first step when no mixer is given)."""
         state = {"initial": X.detach().clone(), **self._momentum_state(X)}
         if mixer is not None:
             self._received(state, X, mixer)
@@ -298,8 +312,10 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
         send = table.sum_others(own, received, torch.empty_like(received))
         received.copy_(mixer.exchange(send).wait())
         total = table.sum_received(own, received, torch.empty_like(own))
-        missing = (N - total[:, P:]).clamp_(min=0)  # N − n_i agents not yet heard from: x_i^0 stands in
+        missing = (N - total[:, P:]).clamp_(min=0)  # N − n_i agents not yet heard from: the fallback stands in
         X.view(L, -1).copy_(total[:, :P].addcmul_(state["initial"].view(L, -1), missing).div_(N))
+        if self.fallback == "latest":
+            state["initial"].copy_(X)
         return X
 
 

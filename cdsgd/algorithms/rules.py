@@ -211,6 +211,11 @@ class Algorithm:
         self.n_agents, self.steps_per_epoch, self.seed = n_agents, steps_per_epoch, seed
         return self
 
+    def expect_losses(self) -> None:
+        """The run's simulated network loses messages (``drop``, ``link_failure``): a rule whose paper handles
+        losses differently from lossless running switches to that handling here (RelaySum); most rules have
+        nothing to switch (the mixing itself changes: :attr:`lost_message`)."""
+
     def init_state(self, X: torch.Tensor, mixer=None) -> dict:
         """The rule's per-agent state for the stack X (tensors only: checkpoints save them).
 

@@ -74,6 +74,8 @@ class ClockFeed:
         else:
             raise ValueError(f"network must be a NetworkSpec or a NetworkClock, got {type(network).__name__}")
         check_network(clock.spec, alg, in_one_process=len(ex.agents) == n)
+        if clock.spec.lossy:
+            alg.expect_losses()
         self.clock, self.mode, self.n_held = clock, alg.lost_message, len(ex.agents)
         self._compute: list[torch.Tensor] = []
         self._sent: list[torch.Tensor] = []
