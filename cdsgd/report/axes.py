@@ -58,8 +58,8 @@ def bytes_text(v, _pos=None) -> str:
 
 
 def seconds_text(v, _pos=None) -> str:
-    """Seconds as a reader writes them on a log axis: '0.01', '0.5', '20', '1000' (no 10⁻²)."""
-    return f"{v:.3g}" if v < 1e4 else f"{v:.0f}"
+    """Seconds as a reader writes them on a log axis: '0.01', '0.5', '20', '1000' (no 10⁻², no 1e+03)."""
+    return f"{v:.3g}" if v < 1000 else f"{v:.0f}"
 
 
 def _log_ticks(axis, lo: float, hi: float, text) -> None:

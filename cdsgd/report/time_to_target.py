@@ -49,11 +49,13 @@ def draw_time_to_target(fig, axes, series: list[TargetSeries], names: list[str],
     fig.set_figheight(axes[0][0].get_gridspec().nrows * (1.4 + 0.45 * len(names)))  # rows of ~0.45 inch
     for ax in (ax for row in axes for ax in row):
         ax.set_yticks(range(len(names)), names)
+        if ax.get_subplotspec().colspan.start:  # the rows are the same in every panel: named once, on the left
+            ax.tick_params(labelleft=False)
         ax.set_ylim(len(names) - 0.5, -0.8)  # the first series on top, room above it for a count of seeds
         ax.set_xlabel(f"simulated seconds to test accuracy ≥ {' / '.join(f'{t:g}' for t in targets)}")
         hit = np.asarray(reached.get(ax, [1.0]))
         log = format_seconds_axis(ax, hit)
-        lo, hi = (hit.min() / 1.5, hit.max() * 1.1) if log else (0.0, hit.max() * 1.1)
+        lo, hi = (hit.min() / 1.5, hit.max() * 1.3) if log else (0.0, hit.max() * 1.1)  # a whole marker
         ax.set_xlim(lo, hi)
         if ax not in missed:
             continue
