@@ -169,22 +169,28 @@ def test_beer_with_top_k_reaches_the_exact_optimum_where_choco_stays_biased():
 # ---------------------------------------------------------------- RelaySum
 
 
-def _relaysum_naive(tree, B, X0, steps, lr):
-    """RelaySGD (Algorithm 1 of Vogels et al. 2021, the model variant), message by message on a dict of edges."""
+def _relaysum_naive(tree, B, X0, steps, lr, lost=None):
+    """RelaySGD (Algorithm 1 of Vogels et al. 2021, the model variant), message by message on a dict of edges.
+
+    ``lost(k)``: the directed edges (sender, receiver) whose step-k message is lost; such a message arrives
+    empty (no value, a count of 0) and is relayed no further, and the agents not heard from are then filled
+    with the agent's latest model instead of x^0 (the reference code's dropped-message runs)."""
     n = len(B)
     nb = {i: sorted(tree.neighbors(i)) for i in range(n)}
     m = {(i, j): torch.zeros(X0.shape[1], dtype=X0.dtype) for i in nb for j in nb[i]}
     c = {e: 0 for e in m}
     x = [X0[i].clone() for i in range(n)]
-    for _ in range(steps):
+    for k in range(steps):
         half = [x[i] - lr * (x[i] - B[i]) for i in range(n)]
-        new_m = {(i, j): half[i] + sum((m[(l, i)] for l in nb[i] if l != j), torch.zeros_like(half[i]))
-                 for (i, j) in m}
-        new_c = {(i, j): 1 + sum(c[(l, i)] for l in nb[i] if l != j) for (i, j) in m}
+        gone = lost(k) if lost else set()
+        new_m = {(i, j): torch.zeros_like(half[i]) if (i, j) in gone else
+                 half[i] + sum((m[(l, i)] for l in nb[i] if l != j), torch.zeros_like(half[i])) for (i, j) in m}
+        new_c = {(i, j): 0 if (i, j) in gone else 1 + sum(c[(l, i)] for l in nb[i] if l != j) for (i, j) in m}
         m, c = new_m, new_c
         for i in range(n):
             count = 1 + sum(c[(j, i)] for j in nb[i])
-            x[i] = (half[i] + sum(m[(j, i)] for j in nb[i]) + (n - count) * X0[i]) / n
+            fallback = x[i] if lost else X0[i]
+            x[i] = (half[i] + sum(m[(j, i)] for j in nb[i]) + (n - count) * fallback) / n
     return torch.stack(x)
 
 

@@ -237,30 +237,10 @@ def test_lossy_exchange_hands_empty_messages():
     torch.testing.assert_close(R[torch.as_tensor(~dropped)], full[torch.as_tensor(~dropped)])
 
 
-def _relaysum_lossy_naive(tree, B, X0, steps, lr, lost):
-    """RelaySGD message by message with lost messages: ``lost(k)`` is the set of directed edges (sender, receiver)
-    lost at step k; a lost message arrives empty (no value, a count of 0) and is relayed no further, and the
-    agents not heard from are filled with the agent's latest model (the reference code's dropped-message runs)."""
-    n = len(B)
-    nb = {i: sorted(tree.neighbors(i)) for i in range(n)}
-    m = {(i, j): torch.zeros(X0.shape[1], dtype=X0.dtype) for i in nb for j in nb[i]}
-    c = {e: 0 for e in m}
-    x = [X0[i].clone() for i in range(n)]
-    for k in range(steps):
-        half = [x[i] - lr * (x[i] - B[i]) for i in range(n)]
-        gone = lost(k)
-        m = {(i, j): (torch.zeros_like(half[i]) if (i, j) in gone else
-                      half[i] + sum((m[(l, i)] for l in nb[i] if l != j), torch.zeros_like(half[i]))) for (i, j) in m}
-        c = {(i, j): 0 if (i, j) in gone else 1 + sum(c[(l, i)] for l in nb[i] if l != j) for (i, j) in c}
-        for i in range(n):
-            count = 1 + sum(c[(j, i)] for j in nb[i])
-            x[i] = (half[i] + sum(m[(j, i)] for j in nb[i]) + (n - count) * x[i]) / n
-    return torch.stack(x)
-
-
 def test_relaysum_under_losses_is_the_reference_codes_rule():
     """Empty messages for the lost ones, and the latest model (not x^0) for the agents not heard from."""
     from cdsgd.algorithms import make_algorithm
+    from test_messages import _relaysum_naive
 
     T = topologies.spanning_tree(topologies.build("torus", 9))
     W = topologies.mixing_matrix(T)
@@ -268,28 +248,28 @@ def test_relaysum_under_losses_is_the_reference_codes_rule():
     g = clock.graph(0)
     B = torch.randn(9, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     X0 = torch.randn(9, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    alg = make_algorithm("relaysum", lr=0.1, momentum=0.0).bind(n_agents=9, steps_per_epoch=1, seed=0)
-    alg.expect_losses()
-    base, X = MatrixMixer(W), X0.clone()
-    state = alg.init_state(X, mixer=base)
-    for k in range(25):
-        dropped, failed = clock.losses(k)
-        alg.update(X, X - B, state, k=k, mixer=LossyMixer(base, g.recv, g.send, g.weight, dropped | failed, "own"))
+    base = MatrixMixer(W)
+
+    def run(lossy_rule: bool) -> torch.Tensor:
+        alg = make_algorithm("relaysum", lr=0.1, momentum=0.0).bind(n_agents=9, steps_per_epoch=1, seed=0)
+        if lossy_rule:
+            alg.expect_losses()
+        X = X0.clone()
+        state = alg.init_state(X, mixer=base)
+        for k in range(25):
+            dropped, failed = clock.losses(k)
+            alg.update(X, X - B, state, k=k, mixer=LossyMixer(base, g.recv, g.send, g.weight, dropped | failed, "own"))
+        return X
 
     def lost(k):
         dropped, failed = clock.losses(k)
         return {(int(l), int(i)) for i, l, x in zip(g.recv, g.send, dropped | failed) if x}
 
     assert sum(len(lost(k)) for k in range(25)) > 10
-    torch.testing.assert_close(X, _relaysum_lossy_naive(T, B, X0, 25, 0.1, lost), rtol=0, atol=1e-12)
+    X = run(lossy_rule=True)
+    torch.testing.assert_close(X, _relaysum_naive(T, B, X0, 25, 0.1, lost=lost), rtol=0, atol=1e-12)
     # the lossless rule's x^0 fallback would give another answer
-    plain = make_algorithm("relaysum", lr=0.1, momentum=0.0).bind(n_agents=9, steps_per_epoch=1, seed=0)
-    Y = X0.clone()
-    st = plain.init_state(Y, mixer=base)
-    for k in range(25):
-        dropped, failed = clock.losses(k)
-        plain.update(Y, Y - B, st, k=k, mixer=LossyMixer(base, g.recv, g.send, g.weight, dropped | failed, "own"))
-    assert float((X - Y).abs().max()) > 1e-3
+    assert float((X - run(lossy_rule=False)).abs().max()) > 1e-3
     # an executor on a lossy network switches the rule; on a lossless one it does not
     shards = [(torch.randn(16, 3), torch.randint(0, 2, (16,))) for _ in range(4)]
     path = topologies.mixing_matrix(topologies.build("path", 4))
