@@ -96,6 +96,8 @@ VALUE_BAD = [
     ("epochs=0", r"epochs must be > 0, got 0"),
     ("batch_size=0", r"batch_size must be >= 1, got 0"),
     ("train_subset=-1", r"train_subset must be >= 0 \(0 means all/off\), got -1"),
+    ("eval_steps=-1", r"eval_steps must be >= 0 \(0 means off\), got -1"),
+    ("eval_steps=2.5", r"config key .eval_steps. must be int, got 2.5"),
     ("dirichlet_alpha=-1", r"dirichlet_alpha must be > 0"),
     ("strategy=gpu", r"strategy 'gpu' is unknown"),
 ]
