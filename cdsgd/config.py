@@ -87,7 +87,8 @@ class Config:
                         "(one_peer_exponential, random_matching) or a graph file path; not used by sgd, msgd, "
                         "fedavg, local (no graph)", identity=True)
     topology_params: dict = key({}, "builder parameters, e.g. {p = 0.3, seed = 1}")
-    n_agents: int = key(5, "number of agents", low=1, identity=True)
+    n_agents: int = key(5, "number of agents", low=1, identity=True,
+                        note=" (>= 2 for an algorithm that mixes over a graph)")
     mixing: str = key("metropolis", "weight rule: metropolis | max_degree | lazy_metropolis | uniform | weight",
                       registry="mixing", identity=True)
     # --- data

@@ -117,7 +117,7 @@ def test_baseline_gap_is_that_of_the_averaging_matrix(n):
 
 @pytest.mark.parametrize("alg", BASELINES)
 @pytest.mark.parametrize("overrides", [
-    ["n_agents=1"],                                            # the ring builder: "n must be an integer >= 2"
+    ["n_agents=1"],                                            # "n_agents must be >= 2 with algorithm=..."
     ["n_agents=2"],                                            # "use 'path' for 2 nodes"
     ["n_agents=2", "topology=torus"],                          # a torus needs both sides >= 3
     ["n_agents=7", "topology=hypercube"],                      # a hypercube needs a power of two
@@ -139,7 +139,8 @@ def test_any_topology_is_accepted_by_the_baselines(monkeypatch, alg, overrides):
 
 @pytest.mark.parametrize("alg", NEIGHBOUR_RULES)
 @pytest.mark.parametrize("overrides,message", [
-    (["n_agents=1"], r"n must be an integer >= 2, got 1"),
+    (["n_agents=1"], r"^n_agents must be >= 2 with algorithm='\w+', which mixes over a graph "
+                     r"\(only sgd, msgd, fedavg, local run on 1 agent\), got 1$"),
     (["n_agents=2"], r"use 'path' for 2 nodes"),
     (["n_agents=2", "topology=torus"], r"torus"),
     (["n_agents=3", "topology=no/such/graph.edgelist"], r"no/such/graph.edgelist"),

@@ -92,7 +92,7 @@ VALUE_BAD = [
     ("dataset=mnsit", r"data set 'mnsit' is unknown; did you mean 'mnist'\?"),
     ("partition=noniid", r"partition 'noniid' is unknown"),
     ("model=resnet", r"model 'resnet' is unknown"),
-    ("n_agents=0", r"n_agents must be >= 1, got 0"),
+    ("n_agents=0", r"^n_agents must be >= 1 \(>= 2 for an algorithm that mixes over a graph\), got 0$"),
     ("epochs=0", r"epochs must be > 0, got 0"),
     ("batch_size=0", r"batch_size must be >= 1, got 0"),
     ("train_subset=-1", r"train_subset must be >= 0 \(0 means all/off\), got -1"),

@@ -119,7 +119,7 @@ def test_each_number_and_schedule_lives_once():
 
 
 def test_config_shorthand_bounds():
-    assert key_info("n_agents")["bounds"] == Bounds(low=1)
+    assert key_info("n_agents")["bounds"] == Bounds(low=1, note=" (>= 2 for an algorithm that mixes over a graph)")
     assert key_info("epochs")["bounds"] == Bounds(low=0, low_open=True)
     assert key_info("comm_timeout")["bounds"] == Bounds(low=0, low_open=True, unit=" seconds")
     assert key_info("algorithm")["bounds"] is None

@@ -21,11 +21,11 @@ import os
 
 import networkx as nx
 
-from .builders import BUILDERS, build, builder_params
+from .builders import BUILDERS, build, builder_params, draw_seed
 from .io import FORMATS, load
 from .mixing import COLUMN_RULES, DENSE_UP_TO, RULES, TOL, mixing_matrix, validate
-from .spectral import (EFFECTIVE_DECAY, SPARSE_EIGEN_FROM, SpectralGap, effective_neighbours, format_gap,
-                       smallest_eigenvalue, spectral_gap)
+from .spectral import (EFFECTIVE_DECAY, GAP_TOL, SPARSE_EIGEN_FROM, SpectralGap, effective_neighbours, format_gap,
+                       is_periodic, mixing_warnings, smallest_eigenvalue, spectral_gap)
 from .registry import Registry, unknown_name_error
 from .schedules import SCHEDULES, Schedule, schedule, schedule_params
 from .trees import graph_of, is_tree, spanning_tree
@@ -36,6 +36,7 @@ __all__ = [
     "DENSE_UP_TO",
     "EFFECTIVE_DECAY",
     "FORMATS",
+    "GAP_TOL",
     "RULES",
     "SCHEDULES",
     "SPARSE_EIGEN_FROM",
@@ -46,14 +47,17 @@ __all__ = [
     "build",
     "builder_params",
     "describe",
+    "draw_seed",
     "effective_neighbours",
     "format_gap",
     "graph_and_mixing",
     "graph_of",
     "is_graph_file",
+    "is_periodic",
     "is_tree",
     "load",
     "mixing_matrix",
+    "mixing_warnings",
     "resolve",
     "schedule",
     "schedule_params",
@@ -137,7 +141,9 @@ def describe(G: nx.Graph, W, *, matrix: bool = True) -> dict:
 
     Keys: ``n``, ``edges`` (count), ``degree_min``, ``degree_max``,
     ``diameter``, ``lambda2``, ``spectral_gap``, ``effective_neighbours``
-    (:func:`effective_neighbours` at :data:`EFFECTIVE_DECAY`), ``edge_list``, and
+    (:func:`effective_neighbours` at :data:`EFFECTIVE_DECAY`), ``draw`` (a
+    random graph's draw, ``{"seed": s, "redraws": k}``, see :func:`draw_seed`;
+    None for the others), ``warnings`` (:func:`mixing_warnings`), ``edge_list``, and
     ``matrix`` (the dense rows; left out with ``matrix=False``). ``W`` may be
     dense or sparse; the diameter comes from breadth-first searches in
     scipy (seconds for 10,000 nodes), not from n² Python steps.
@@ -153,6 +159,8 @@ def describe(G: nx.Graph, W, *, matrix: bool = True) -> dict:
         "lambda2": sg.lambda2,
         "spectral_gap": sg.gap,
         "effective_neighbours": effective_neighbours(W),
+        "draw": G.graph.get("draw"),
+        "warnings": mixing_warnings(W, sg),
         "edge_list": sorted([min(u, v), max(u, v)] for u, v in G.edges()),
     }
     if matrix:

@@ -3,7 +3,9 @@
 Every builder returns a simple, undirected, connected graph on the nodes
 ``0 .. n-1``, except the ``directed_*`` ones: strongly connected directed
 graphs, for push-sum (``mixing=push_sum``, ``algorithm=sgp``). Randomised
-builders take a ``seed`` and are deterministic under it.
+builders take a ``seed`` and are deterministic under it; a disconnected draw
+is redrawn from a stream derived from (seed, redraw) (:func:`draw_seed`), and
+``G.graph["draw"]`` records the draw used.
 
 ==================  ==========================================  ==================
 name                graph                                       parameters
@@ -46,7 +48,7 @@ import networkx as nx
 
 from .registry import Registry
 
-__all__ = ["build", "BUILDERS", "builder_params"]
+__all__ = ["build", "BUILDERS", "builder_params", "draw_seed"]
 
 BUILDERS: Registry[Callable[..., nx.Graph]] = Registry("topology")
 
@@ -78,16 +80,48 @@ def _seed(value: Any) -> int | None:
     return _int("seed", value, low=0)
 
 
-def _connected_draw(name: str, draw: Callable[[int | None], nx.Graph], seed, max_tries) -> nx.Graph:
+def draw_seed(seed: int, redraw: int) -> int:
+    """The seed a random builder passes to networkx for draw number ``redraw`` (0: the first) under ``seed``.
+
+    The first draw uses ``seed`` itself; redraw k >= 1 a 63-bit seed (a TOML
+    integer) from ``numpy.random.SeedSequence((seed, k))``: a stream of its
+    own for every (seed, k), so that seed S's k-th redraw is not seed S+k's
+    first draw (earlier versions redrew with ``seed + k``: seeds 0 to 4 of a
+    sparse G(n, p) all gave one graph) and distinct seeds give distinct
+    graphs. ``G.graph["draw"]`` records the one a built graph used; given as
+    ``seed`` it builds that graph at the first draw.
+
+        >>> draw_seed(3, 0), draw_seed(3, 1) == draw_seed(4, 0), draw_seed(3, 1) == draw_seed(3, 1)
+        (3, False, True)
+    """
+    if redraw == 0:
+        return int(seed)
+    import numpy as np
+
+    return int(np.random.SeedSequence((int(seed), int(redraw))).generate_state(1, dtype=np.uint64)[0]) >> 1
+
+
+def _connected_draw(name: str, draw: Callable[[int], nx.Graph], seed, max_tries) -> nx.Graph:
     """Redraw a random graph until it is connected, at most ``max_tries`` times.
 
-    Attempt t uses seed ``seed + t`` so the result is deterministic under seed.
+    Draw k uses :func:`draw_seed` ``(seed, k)``, so the result is deterministic
+    under seed (seed None: fresh entropy, recorded). The graph records the
+    draw it came from in ``G.graph["draw"] = {"seed": s, "redraws": k}``:
+    ``draw(s)`` alone, or the builder with ``seed=s``, gives it again.
     """
     seed = _seed(seed)
     max_tries = _int("max_tries", max_tries, low=1)
-    for t in range(max_tries):
-        G = draw(None if seed is None else seed + t)
+    if seed is None:
+        import numpy as np
+
+        base = int(np.random.SeedSequence().generate_state(1, dtype=np.uint32)[0])
+    else:
+        base = seed
+    for k in range(max_tries):
+        s = draw_seed(base, k)
+        G = draw(s)
         if G.number_of_nodes() > 0 and nx.is_connected(G):
+            G.graph["draw"] = {"seed": s, "redraws": k}
             return G
     raise ValueError(
         f"{name}: no connected graph in {max_tries} draws (seed={seed}); "
@@ -220,7 +254,7 @@ def directed_exponential(n: int) -> nx.DiGraph:
 
 @BUILDERS.register("erdos_renyi")
 def erdos_renyi(n: int, p: float = 0.5, seed: int | None = 0, max_tries: int = 100) -> nx.Graph:
-    """G(n, p), redrawn (seed, seed+1, ...) until connected."""
+    """G(n, p), redrawn until connected (draw k from :func:`draw_seed` ``(seed, k)``)."""
     p = _prob("p", p)
     return _connected_draw("erdos_renyi", lambda s: nx.gnp_random_graph(n, p, seed=s), seed, max_tries)
 

@@ -9,11 +9,19 @@ Formats, chosen by the file's extension:
 ``.csv``
     A dense n×n adjacency matrix of numbers (no header). A non-zero entry
     (i, j) is an edge with that value as its "weight" (1 for a 0/1 matrix).
-    Must be symmetric with a zero diagonal.
+    Must be symmetric. A non-zero diagonal makes it a full mixing matrix W:
+    every node then carries its diagonal entry as ``self_weight`` (zeros
+    included) and every edge its weight.
 ``.npy``
     The same matrix as a NumPy array (loaded with ``allow_pickle=False``).
 ``.graphml``
     GraphML, which must be undirected; a numeric "weight" attribute is kept.
+
+Self weights: a self-loop with a weight (``u u w`` in an edge list, a
+matrix's diagonal, a weighted GraphML loop) is node u's self weight W[u, u],
+kept in the node attribute ``self_weight``; ``mixing=weight`` uses it (the
+rows must then sum to 1), the other rules compute their own. A self-loop
+without a weight is refused.
 
 Node order: a matrix's row i is node i. Labels from edge lists and GraphML
 are relabelled 0..n-1 in *natural* order: numbers compare numerically, also
@@ -22,8 +30,8 @@ original label is kept in each node's ``label`` attribute.
 
 Refused naming the file and the problem: a missing file (FileNotFoundError);
 with a ValueError, a path that is not a regular file, an unknown extension,
-empty graphs, self-loops, directed graphs (including non-symmetric
-matrices), non-numeric or ragged matrices, malformed lines.
+empty graphs, self-loops without a weight, directed graphs (including
+non-symmetric matrices), non-numeric or ragged matrices, malformed lines.
 Connectivity is checked later, by :func:`topologies.validate`.
 
 Example::
@@ -51,6 +59,10 @@ FORMATS = {".edgelist": "edge list", ".txt": "edge list", ".csv": "adjacency mat
            ".npy": "adjacency matrix", ".graphml": "GraphML"}
 
 
+_NO_SELF_WEIGHT = ("has no weight; a weighted self-loop gives the node's self weight W[u, u] (mixing=weight), "
+                   "without one the mixing rule sets it: leave the loop out")
+
+
 def _natural_key(label: str):
     parts = re.split(r"(\d+)", label)
     return [int(p) if i % 2 else p for i, p in enumerate(parts)]
@@ -61,7 +73,7 @@ def _relabel(G: nx.Graph) -> nx.Graph:
     mapping = {v: i for i, v in enumerate(order)}
     H = nx.Graph()
     for v in order:
-        H.add_node(mapping[v], label=str(v))
+        H.add_node(mapping[v], label=str(v), **{k: x for k, x in G.nodes[v].items() if k == "self_weight"})
     for u, v, data in G.edges(data=True):
         H.add_edge(mapping[u], mapping[v], **data)
     return H
@@ -81,14 +93,20 @@ def _read_edgelist(path: Path) -> nx.Graph:
         if len(tok) > 3:
             raise ValueError(f"{where}: expected 'u v' or 'u v weight', got {raw.strip()!r}")
         u, v = tok[0], tok[1]
-        if u == v:
-            raise ValueError(f"{where}: self-loop at node {u!r}; self weights come from the mixing rule")
         attrs = {}
         if len(tok) == 3:
             try:
                 attrs["weight"] = float(tok[2])
             except ValueError:
                 raise ValueError(f"{where}: weight {tok[2]!r} is not a number") from None
+        if u == v:
+            if "weight" not in attrs:
+                raise ValueError(f"{where}: self-loop at node {u!r} {_NO_SELF_WEIGHT}")
+            if G.nodes.get(u, {}).get("self_weight", attrs["weight"]) != attrs["weight"]:
+                raise ValueError(f"{where}: self weight of node {u!r} repeated with another value "
+                                 f"({G.nodes[u]['self_weight']} vs {attrs['weight']})")
+            G.add_node(u, self_weight=attrs["weight"])
+            continue
         if G.has_edge(u, v) and G.edges[u, v].get("weight") != attrs.get("weight"):
             raise ValueError(
                 f"{where}: edge ({u}, {v}) repeated with another weight "
@@ -129,10 +147,6 @@ def _matrix_graph(A: np.ndarray, path: Path) -> nx.Graph:
     if len(bad):
         i, j = bad[0]
         raise ValueError(f"{path}: entry ({i}, {j}) is {A[i, j]}, not finite")
-    diag = np.flatnonzero(np.diag(A))
-    if len(diag):
-        i = diag[0]
-        raise ValueError(f"{path}: self-loop at node {i} (diagonal entry {A[i, i]:g}); self weights come from the mixing rule")
     bad = np.argwhere(A != A.T)
     if len(bad):
         i, j = bad[0]
@@ -142,8 +156,9 @@ def _matrix_graph(A: np.ndarray, path: Path) -> nx.Graph:
         )
     n = A.shape[0]
     G = nx.Graph()
-    G.add_nodes_from(range(n))
-    binary = bool(np.all((A == 0) | (A == 1)))
+    full = bool(np.diag(A).any())  # a diagonal: a full W, self weights (zeros too) and every edge's weight
+    G.add_nodes_from((i, {"self_weight": float(A[i, i])} if full else {}) for i in range(n))
+    binary = not full and bool(np.all((A == 0) | (A == 1)))
     for i, j in np.argwhere(A != 0):
         if i < j:
             G.add_edge(int(i), int(j), **({} if binary else {"weight": float(A[i, j])}))
@@ -183,15 +198,17 @@ def load(path: str | os.PathLike) -> nx.Graph:
             raise ValueError(f"{path}: not valid GraphML ({type(e).__name__}: {e})") from None
         if raw.is_directed():
             raise ValueError(f"{path}: GraphML graph is directed; cdsgd needs undirected graphs (edgedefault=\"undirected\")")
-        loops = list(nx.selfloop_edges(raw))
-        if loops:
-            raise ValueError(f"{path}: self-loop at node {loops[0][0]!r}; self weights come from the mixing rule")
         for u, v, data in raw.edges(data=True):
             if "weight" in data:
                 try:
                     data["weight"] = float(data["weight"])
                 except (TypeError, ValueError):
                     raise ValueError(f"{path}: edge ({u}, {v}) has non-numeric weight {data['weight']!r}") from None
+        for u, _, data in list(nx.selfloop_edges(raw, data=True)):
+            if "weight" not in data:
+                raise ValueError(f"{path}: self-loop at node {u!r} {_NO_SELF_WEIGHT}")
+            raw.nodes[u]["self_weight"] = data["weight"]
+            raw.remove_edge(u, u)
         G = _relabel(raw)
     if G.number_of_nodes() == 0:
         raise ValueError(f"{path}: graph is empty (no nodes)")

@@ -28,7 +28,9 @@ off-graph entries are 0; the diagonal is what makes a row sum to 1):
                      when all degrees are equal: refused on irregular graphs.
 ``weight``           the edges' "weight" attribute as given, π_ii = 1 − Σ_j π_ij,
                      then validated (e.g. the paper's 5-ring: 0.33 per edge
-                     gives 0.34 on the diagonal).
+                     gives 0.34 on the diagonal). A node's ``self_weight``
+                     attribute (a full W read from a file, :func:`topologies.load`)
+                     is π_ii as given; its row must then sum to 1.
 
 Example::
 
@@ -81,7 +83,8 @@ def _check_graph(G: nx.Graph, *, directed_ok: bool = False) -> int:
         )
     loops = list(nx.selfloop_edges(G))
     if loops:
-        raise ValueError(f"graph has a self-loop at node {loops[0][0]}; self weights come from the rule")
+        raise ValueError(f"graph has a self-loop at node {loops[0][0]}; a self weight is the node attribute "
+                         "'self_weight' (used by rule 'weight'), not an edge")
     return n
 
 
@@ -200,11 +203,24 @@ def weight(G: nx.Graph):
             raise ValueError(f"rule 'weight': edge ({a}, {b}) has weight {float(w[k])!r}; weights must be finite and >= 0")
     W = _symmetric(n, i, j, w)
     sums = 1.0 - W.diagonal()
+    given = {int(k): v for k, v in G.nodes(data="self_weight") if v is not None}  # a full W's diagonal
+    for k, v in sorted(given.items()):
+        if not (np.isfinite(v) and v >= 0):
+            raise ValueError(f"rule 'weight': node {k}'s self weight is {v!r}; self weights must be finite and >= 0")
+        if abs(v + sums[k] - 1.0) > TOL:
+            raise ValueError(f"rule 'weight': node {k}'s self weight {_fmt(v)} and edge weights {_fmt(sums[k])} "
+                             f"sum to {_fmt(v + sums[k])}, not 1 (tolerance {TOL:g}): each row of W must sum to 1")
     over = np.flatnonzero(sums > 1.0 + TOL)
     if len(over):  # say which node, rather than "W[i, i] is negative" after filling the diagonal
         k = int(over[0])
         raise ValueError(f"rule 'weight': the edge weights at node {k} sum to {_fmt(sums[k])} > 1, "
                          f"leaving self weight {_fmt(1.0 - sums[k])}; the weights at every node must sum to <= 1")
+    if given:  # the diagonal as given, not the remainder (equal within TOL)
+        import scipy.sparse as sp
+
+        fix = np.zeros(n)
+        fix[list(given)] = [v - (1.0 - sums[k]) for k, v in given.items()]
+        W = (W + sp.dia_array((fix[None, :], [0]), shape=(n, n))).tocsr()
     return W
 
 
@@ -212,7 +228,8 @@ def mixing_matrix(G: nx.Graph, rule: str = "metropolis", *, sparse: bool = False
     """The n×n float64 mixing matrix of ``G`` under weight ``rule``, validated.
 
     Args:
-        G: undirected graph on nodes 0..n-1, without self-loops.
+        G: undirected graph on nodes 0..n-1, without self-loops (rule ``weight`` takes a node's
+            ``self_weight`` attribute as its diagonal entry).
         rule: one of ``RULES.names()`` (see the module docstring for the maths).
         sparse: return a ``scipy.sparse.csr_array`` instead of a dense array.
             Time and memory are then O(n + edges) from graph to validated

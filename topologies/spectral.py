@@ -1,5 +1,6 @@
-"""Spectra of mixing matrices: the spectral gap, the smallest eigenvalue (D²'s condition), and the
-effective number of neighbours (a ranking of topologies beyond the spectral gap).
+"""Spectra of mixing matrices: the spectral gap, the smallest eigenvalue (D²'s condition), the
+effective number of neighbours (a ranking of topologies beyond the spectral gap), and warnings for a
+matrix that never reaches consensus (periodic, or gap 0).
 
 Dense eigen-solvers below :data:`SPARSE_EIGEN_FROM` nodes; above, ARPACK's
 Lanczos iteration on the sparse matrix (only the eigenvalues that matter).
@@ -13,8 +14,9 @@ import numpy as np
 
 from .mixing import TOL, _is_sparse
 
-__all__ = ["EFFECTIVE_DECAY", "EFFECTIVE_NEIGHBOURS_UP_TO", "SPARSE_EIGEN_FROM", "SpectralGap", "effective_neighbours",
-           "format_gap", "smallest_eigenvalue", "spectral_gap"]
+__all__ = ["EFFECTIVE_DECAY", "EFFECTIVE_NEIGHBOURS_UP_TO", "GAP_TOL", "SPARSE_EIGEN_FROM", "SpectralGap",
+           "effective_neighbours", "format_gap", "is_periodic", "mixing_warnings", "smallest_eigenvalue",
+           "spectral_gap"]
 
 
 class SpectralGap(NamedTuple):
@@ -184,6 +186,72 @@ def smallest_eigenvalue(W) -> float:
             return float(np.linalg.eigvalsh(S.toarray())[0])
     D = S.toarray() if S is not None else np.asarray(W, dtype=np.float64)
     return float(np.linalg.eigvalsh(D)[0])
+
+#: a spectral gap at most this is 0: consensus is never reached (:func:`mixing_warnings`)
+GAP_TOL = 1e-12
+
+#: what :func:`mixing_warnings` suggests instead of a periodic or gap-0 matrix
+_REMEDY = ("use mixing=lazy_metropolis (cdsgd topo --rule lazy_metropolis), or weights that leave every node a "
+           "self weight > 0")
+
+
+def is_periodic(W) -> bool:
+    """Whether a symmetric mixing matrix is periodic: every self weight is 0 and the graph of its non-zero
+    entries is bipartite, so that W has the eigenvalue −1 (its spectral gap is 0) and the agents oscillate
+    between two states instead of agreeing. Exact (no eigenvalues), O(n + non-zeros).
+
+        >>> import numpy as np
+        >>> ring4 = np.array([[0, .5, 0, .5], [.5, 0, .5, 0], [0, .5, 0, .5], [.5, 0, .5, 0]])
+        >>> is_periodic(ring4), is_periodic((np.eye(4) + ring4) / 2)
+        (True, False)
+    """
+    import scipy.sparse as sp
+    from scipy.sparse.csgraph import breadth_first_order
+
+    S = sp.csr_array(W.tocsr() if _is_sparse(W) else np.asarray(W, dtype=np.float64))
+    n = S.shape[0]
+    if n < 2 or np.abs(S.diagonal()).max() > TOL:
+        return False
+    side = np.full(n, -1)
+    for start in range(n):  # 2-colour each component along a breadth-first order
+        if side[start] >= 0:
+            continue
+        order, pred = breadth_first_order(S, start, directed=False)
+        side[start] = 0
+        for v in order[1:]:
+            side[v] = 1 - side[pred[v]]
+    A = S.tocoo()
+    off = (A.row != A.col) & (A.data != 0)
+    return bool(np.all(side[A.row[off]] != side[A.col[off]]))
+
+
+def mixing_warnings(W, gap: SpectralGap | None = None) -> list[str]:
+    """What is wrong, though valid, with a mixing matrix (or schedule) ``W``: one line each, [] if nothing.
+
+    A periodic W (:func:`is_periodic`: zero self weights on a bipartite
+    graph, e.g. a ring of 4 with 0.5 per edge) and a spectral gap of 0 (at
+    most :data:`GAP_TOL`) let the agents oscillate or drift apart for ever;
+    each line says so and suggests ``mixing=lazy_metropolis`` or self weights.
+    ``gap``: :func:`spectral_gap` ``(W)`` when already computed. ``cdsgd topo``
+    prints these lines, and runs add them to ``summary.json``'s ``warnings``.
+
+        >>> import numpy as np
+        >>> mixing_warnings(np.array([[0.0, 1.0], [1.0, 0.0]]))[0][:60]
+        'the mixing matrix is periodic (every self weight is 0 on a b'
+        >>> mixing_warnings(np.array([[0.5, 0.5], [0.5, 0.5]]))
+        []
+    """
+    gap = spectral_gap(W) if gap is None else gap
+    schedule = hasattr(W, "consensus_rate")
+    if not schedule and is_periodic(W):
+        return [f"the mixing matrix is periodic (every self weight is 0 on a bipartite graph): it has the eigenvalue "
+                f"-1, spectral gap {format_gap(gap.gap)}, and the agents oscillate instead of agreeing; {_REMEDY}"]
+    if gap.gap <= GAP_TOL:
+        what = "schedule's" if schedule else "mixing matrix's"
+        return [f"the {what} spectral gap is {format_gap(gap.gap)} (second-largest eigenvalue modulus "
+                f"{gap.lambda2:.10g}): the agents never reach consensus; {_REMEDY}"]
+    return []
+
 
 #: the decay γ at which runs record the effective number of neighbours (summary.json, results.csv)
 EFFECTIVE_DECAY = 0.9

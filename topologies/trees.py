@@ -49,8 +49,8 @@ def spanning_tree(G: nx.Graph) -> nx.Graph:
     """G itself when it is a tree; else the breadth-first spanning tree from a centre of G (module docstring).
 
     Neighbours are visited in ascending order and the centre is the smallest
-    node of least eccentricity, so the tree is a function of G alone.
-    ValueError for a disconnected or directed graph.
+    node of least eccentricity, so the tree is a function of G alone. A
+    random graph's ``G.graph["draw"]`` is kept. ValueError for a disconnected or directed graph.
     """
     if G.is_directed():
         raise ValueError("a spanning tree for RelaySum needs an undirected graph; got a directed one")
@@ -64,7 +64,7 @@ def spanning_tree(G: nx.Graph) -> nx.Graph:
         root = min(nodes, key=lambda v: (ecc[v], v))
     else:
         root = nodes[0]
-    T = nx.Graph()
+    T = nx.Graph(**{k: v for k, v in G.graph.items() if k == "draw"})  # a random graph's draw stays recorded
     T.add_nodes_from(nodes)
     seen, frontier = {root}, [root]
     while frontier:

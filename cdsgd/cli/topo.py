@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Sequence
 
 
@@ -52,6 +53,25 @@ def _add_topo(sub) -> None:
     p.set_defaults(func=_cmd_topo)
 
 
+def _weights_caption(rule: str) -> str:
+    """How a drawing's title names the weights of ``rule``: ``'metropolis weights'``, and for the rule that
+    takes them from the graph ``'weights as given'`` (not ``'weight weights'``).
+
+    >>> _weights_caption("lazy_metropolis"), _weights_caption("weight")
+    ('lazy_metropolis weights', 'weights as given (mixing=weight)')
+    """
+    return "weights as given (mixing=weight)" if rule == "weight" else f"{rule} weights"
+
+
+def _warn(lines) -> int:
+    """A topology's warnings (:func:`topologies.mixing_warnings`) on stderr after its description, as a run
+    prints them; returns the exit status, 0 (a warning is no error)."""
+    sys.stdout.flush()
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr)
+    return 0
+
+
 #: the text output prints matrices of at most this many nodes (16 columns of 7 characters fit a terminal);
 #: a display limit only: how W is stored is topologies.DENSE_UP_TO's business
 PRINT_UP_TO = 16
@@ -77,15 +97,18 @@ def _cmd_topo(args) -> int:
         from ..report.plotting import draw_topology
 
         given = ", ".join([f"n={info['n']}"] + [f"{k}={v}" for k, v in params.items()])
-        draw_topology(G, W, args.draw, title=f"{args.topology} ({given}), {rule} weights")
+        draw_topology(G, W, args.draw, title=f"{args.topology} ({given}), {_weights_caption(rule)}")
     if args.json:
         print(json.dumps(info))
-        return 0
+        return _warn(info["warnings"])
     print(f"topology      {info['topology']}" + (f" {params}" if params else ""))
     print(f"n             {info['n']}")
     print(f"edges         {info['edges']}")
     print(f"degree        {info['degree_min']}..{info['degree_max']}")
     print(f"diameter      {info['diameter']}")
+    if info["draw"] is not None:
+        print(f"draw          seed {info['draw']['seed']} after {info['draw']['redraws']} redraw(s) "
+              "(a disconnected draw is redrawn; this seed alone gives this graph)")
     print(f"rule          {info['rule']}")
     print(f"lambda2       {info['lambda2']:.10g}   (second-largest eigenvalue modulus)")
     print(f"spectral gap  {topologies.format_gap(info['spectral_gap'], 6)}")
@@ -96,7 +119,7 @@ def _cmd_topo(args) -> int:
         print(_format_matrix(W))
     if args.draw:
         print(f"drawing       {args.draw}")
-    return 0
+    return _warn(info["warnings"])
 
 
 def _topo_schedule(args, params, s) -> int:
@@ -108,13 +131,14 @@ def _topo_schedule(args, params, s) -> int:
     gap = topologies.spectral_gap(s)
     info = {"topology": args.topology, "params": params, "schedule": True, "n": s.n, "period": len(s),
             "symmetric": s.symmetric, "consensus_rate": s.consensus_rate(), "lambda2": gap.lambda2,
-            "spectral_gap": gap.gap, "effective_neighbours": topologies.effective_neighbours(s)}
+            "spectral_gap": gap.gap, "effective_neighbours": topologies.effective_neighbours(s),
+            "warnings": topologies.mixing_warnings(s, gap)}
     if args.json:
         dense = [W.toarray() if hasattr(W, "toarray") else W for W in s]
         info["matrices"] = [W.tolist() for W in dense]
         info["product"] = s.product().tolist()
         print(json.dumps(info))
-        return 0
+        return _warn(info["warnings"])
     print(f"schedule        {args.topology}" + (f" {params}" if params else ""))
     print(f"n               {s.n}")
     print(f"period          {len(s)} steps (W_k = W_(k mod {len(s)}))")
@@ -129,4 +153,4 @@ def _topo_schedule(args, params, s) -> int:
             print(_format_matrix(W))
         print("product over a period")
         print(_format_matrix(s.product()))
-    return 0
+    return _warn(info["warnings"])

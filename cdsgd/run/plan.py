@@ -187,7 +187,7 @@ def validate_config(cfg: Config) -> Plan:
         check_model_options(cfg.model, cfg.model_params, input_shape=data.input_shape, n_classes=data.n_classes,
                             sample=data.train[0][:2])
     return Plan(cfg=cfg, graph=G, W=W, spectral_gap=gap, algorithm=algorithm, data=data,
-                notes=_notes(cfg, G, algorithm), network=network)
+                notes=_notes(cfg, G, algorithm, W, gap), network=network)
 
 
 def _check_compression(cfg: Config) -> None:
@@ -229,25 +229,42 @@ def baseline_gap(algorithm: Algorithm, n_agents: int) -> topologies.SpectralGap:
 def plan_topology(cfg: Config):
     """The graph and mixing matrix of ``cfg.topology``, ``cfg.mixing`` and ``cfg.topology_params`` on
     ``cfg.n_agents`` agents: ``(G, W)`` by :func:`topologies.graph_and_mixing` (W a Schedule for a
-    time-varying topology)."""
+    time-varying topology). Fewer than 2 agents are refused, naming ``n_agents``.
+
+        >>> from cdsgd.config import load_config
+        >>> plan_topology(load_config(overrides=["n_agents=1"]))
+        Traceback (most recent call last):
+        ...
+        ValueError: n_agents must be >= 2 with algorithm='cdmsgd', which mixes over a graph (only sgd, msgd, fedavg, local run on 1 agent), got 1
+    """
+    if cfg.n_agents < 2:  # the one message: the topologies' own ("n must be ...") does not name the config key
+        alone = ", ".join(a for a in ALGORITHMS if ALGORITHMS.get(a).traffic != "neighbours")
+        raise ValueError(f"n_agents must be >= 2 with algorithm={cfg.algorithm!r}, which mixes over a graph "
+                         f"(only {alone} run on 1 agent), got {cfg.n_agents}")
     # mixing left at its default is "not given": a schedule refuses only a rule the user chose
     rule = None if cfg.mixing == key_info("mixing")["default"] else cfg.mixing
     return topologies.graph_and_mixing(cfg.topology, cfg.n_agents, rule, **cfg.topology_params)
 
 
-def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm) -> list[str]:
-    """Settings of ``cfg`` that have no effect, said before the run rather than found out after it."""
-    notes = []
+def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm, W=None,
+           gap: topologies.SpectralGap | None = None) -> list[str]:
+    """Settings of ``cfg`` that have no effect, and a mixing matrix ``W`` that never reaches consensus
+    (:func:`topologies.mixing_warnings`: periodic, or spectral gap 0), said before the run rather than
+    found out after it."""
+    notes = [] if G is None else topologies.mixing_warnings(W, gap)
     unused = [k for k in ("topology", "topology_params", "mixing") if getattr(cfg, k) != key_info(k)["default"]]
     if G is None and unused:
         how = "averages over all agents (all-reduce)" if algorithm.traffic == "allreduce" else "never communicates"
         notes.append(f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in unused)} "
                      f"{'has' if len(unused) == 1 else 'have'} no effect with algorithm={cfg.algorithm!r}: "
                      f"it {how} and builds no graph")
-    if (G is not None and topologies.is_graph_file(cfg.topology) and cfg.mixing != "weight"
-            and any("weight" in d for _, _, d in G.edges(data=True))):
-        notes.append(f"graph file {cfg.topology!r} carries edge weights, which mixing={cfg.mixing!r} ignores "
-                     "(it computes its own); set mixing=weight to mix with the file's weights")
+    if G is not None and topologies.is_graph_file(cfg.topology) and cfg.mixing != "weight":
+        carried = [what for what, found in (
+            ("edge weights", any("weight" in d for _, _, d in G.edges(data=True))),
+            ("self weights", any(v is not None for _, v in G.nodes(data="self_weight")))) if found]
+        if carried:
+            notes.append(f"graph file {cfg.topology!r} carries {' and '.join(carried)}, which mixing={cfg.mixing!r} "
+                         "ignores (it computes its own); set mixing=weight to mix with the file's weights")
     if getattr(algorithm, "needs_tree", False) and cfg.mixing != key_info("mixing")["default"]:
         notes.append(f"mixing={cfg.mixing!r} has no effect with algorithm={cfg.algorithm!r}: it averages over all "
                      "agents along a spanning tree, every agent weighted 1/N")
