@@ -327,7 +327,7 @@ def main(argv=None) -> int:
             rows = []
             for seed in SEEDS:
                 sim = simulator(ds, lengths, k, "optimal", args.hidden, trim=trim, seed=seed)
-                rows.append(sim.run(epochs=args.epochs, eval_every=args.epochs * sim.steps_per_epoch)[-1])
+                rows.append(sim.run(epochs=args.epochs, eval_every_steps=args.epochs * sim.steps_per_epoch)[-1])
             loss, acc = (np.array([r[key] for r in rows]) for key in ("test_loss", "test_accuracy"))
             return f"{loss.mean():.3f} ± {loss.std(ddof=1):.3f} | {acc.mean():.3f} ± {acc.std(ddof=1):.3f}"
 

@@ -123,7 +123,7 @@ def metrics_without_wall(folder: Path) -> str:
 
 
 #: the summary's clock readings: they differ between two runs of one config
-TIME_KEYS = ("wall_seconds", "train_seconds", "eval_seconds", "total_seconds")
+TIME_KEYS = ("wall_seconds", "train_seconds", "warmup_seconds", "eval_seconds", "total_seconds")
 
 
 def summary_without_wall(folder: Path) -> dict:

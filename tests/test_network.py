@@ -355,12 +355,12 @@ def test_checkpoint_resume_continues_the_clock(tmp_path):
         return Executor(lambda: torch.nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=8, network=net)
 
     a = make()
-    rows = a.run(steps=7, eval_every=3)
+    rows = a.run(steps=7, eval_every_steps=3)
     saved = a.state_dict()
-    rows += a.run(steps=6, eval_every=3)
+    rows += a.run(steps=6, eval_every_steps=3)
     b = make()
     b.load_state_dict(torch.load(_save(tmp_path, saved), weights_only=True))
-    again = b.run(steps=6, eval_every=3)
+    again = b.run(steps=6, eval_every_steps=3)
     assert [r["sim_seconds"] for r in again] == [r["sim_seconds"] for r in rows[-len(again):]]
     assert torch.equal(a.X, b.X)
     with pytest.raises(ValueError, match="simulated network"):

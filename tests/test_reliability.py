@@ -8,6 +8,7 @@ import json
 import pathlib
 import pickle
 import shutil
+import signal
 
 import pytest
 import torch
@@ -72,6 +73,81 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path, monk
     assert _metrics_without_wall(out) == _metrics_without_wall(reference)
     assert torch.equal(torch.load(out / "params.pt", weights_only=True),
                        torch.load(reference / "params.pt", weights_only=True))
+
+
+@pytest.fixture
+def ctrl_c_in_step(monkeypatch):
+    """``ctrl_c_in_step(k)``: a real SIGINT to this process in the middle of step k (1-based), as Ctrl-C sends."""
+    from cdsgd.executor import Simulator
+
+    real = Simulator.step
+
+    def arm(k: int) -> None:
+        def step(self):
+            if self.k == k - 1:
+                signal.raise_signal(signal.SIGINT)  # its handler runs here, before the step's arithmetic
+            return real(self)
+
+        monkeypatch.setattr(Simulator, "step", step)
+
+    return arm
+
+
+@pytest.mark.parametrize("stop_at, extra", [(5, ["checkpoint_every=3", "checkpoint_unit=steps"]),
+                                            (8, [])])  # 8: an evaluation step; checkpoint_every=0
+def test_ctrl_c_checkpoints_the_step_it_stopped_at(reference, tmp_path, monkeypatch, ctrl_c_in_step, stop_at, extra):
+    """Ctrl-C during step K: the step is finished, its checkpoint written (not the periodic one before it), and
+    the resumed run ends exactly as the uninterrupted one."""
+    out = tmp_path / "run"
+    logs = []
+    ctrl_c_in_step(stop_at)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(_cfg(out, *extra), progress=False, log=logs.append)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["checkpoint_at_interruption"] == stop_at
+    assert summary["step"] == (stop_at // 4) * 4  # the last row written (4 steps an epoch)
+    assert ckpt.steps_on_disk(out, 0) == [stop_at]
+    assert logs[-1] == (f"cdsgd run: interrupted at step {stop_at} of 12; continue it with: "
+                        f"cdsgd run {out / 'config.toml'} resume=true")
+    monkeypatch.undo()
+
+    run_experiment(_cfg(out, *extra, "resume=true"), progress=False, log=logs.append)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == stop_at
+    assert _metrics_without_wall(out) == _metrics_without_wall(reference)
+    assert torch.equal(torch.load(out / "params.pt", weights_only=True),
+                       torch.load(reference / "params.pt", weights_only=True))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_sigterm_keeps_its_own_handler():
+    from cdsgd.run.interrupt import StopBetweenSteps
+
+    class Stopped(KeyboardInterrupt):
+        pass
+
+    def on_term(signum, frame):
+        raise Stopped()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            with StopBetweenSteps():
+                signal.raise_signal(signal.SIGINT)  # held
+                signal.raise_signal(signal.SIGINT)  # raises here
+                pytest.fail("the second Ctrl-C did not stop at once")
+        assert type(e.value) is KeyboardInterrupt
+        with pytest.raises(Stopped):
+            with StopBetweenSteps() as stop:
+                signal.raise_signal(signal.SIGTERM)
+                assert stop.requested
+                stop.deliver()  # what the SIGTERM handler raises (the CLI's: Terminated)
+        with StopBetweenSteps(enabled=False) as stop:  # several processes: handlers untouched
+            assert signal.getsignal(signal.SIGTERM) is on_term and not stop.requested
+        assert signal.getsignal(signal.SIGTERM) is on_term
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def test_resume_of_a_finished_run_rewrites_the_same_results(reference, tmp_path):

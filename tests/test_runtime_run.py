@@ -158,8 +158,11 @@ def test_own_training_loop_example_under_torchrun():
     assert r.returncode == 0, r.stdout + r.stderr
     import re
 
-    # the three ranks share stdout: their lines may run together, so match anywhere
-    final = dict(re.findall(r"rank (\d) epoch 3: test accuracy ([0-9.]+)", r.stdout))
+    # rank 0 prints every rank's line: whole lines, in rank order, one block per epoch
+    line = re.compile(r"rank (\d) epoch (\d): test accuracy ([0-9.]+), \|x_j - x_0\| = [0-9.]+")
+    lines = r.stdout.splitlines()
+    assert [line.fullmatch(t).group(1, 2) for t in lines] == [(str(k), str(e)) for e in (1, 2, 3) for k in range(3)]
+    final = {m.group(1): m.group(3) for m in map(line.fullmatch, lines[-3:])}
     assert sorted(final) == ["0", "1", "2"], r.stdout
     for rank, acc in final.items():
         assert float(acc) > 0.85, (rank, acc)  # measured 0.93-0.94 on digits after 3 epochs

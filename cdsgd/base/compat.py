@@ -41,8 +41,8 @@ import sys
 import types
 import warnings
 
-__all__ = ["MOVED_MODULES", "MOVED_NAMES", "RENAMED_ATTRIBUTES", "install", "module_getattr", "renamed_attribute",
-           "item_as_attribute"]
+__all__ = ["MOVED_MODULES", "MOVED_NAMES", "RENAMED_ATTRIBUTES", "RENAMED_KEYWORDS", "install", "module_getattr",
+           "renamed_attribute", "renamed_keyword", "item_as_attribute"]
 
 #: old module path → new module path(s); a name is looked up in them in order
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
@@ -80,6 +80,12 @@ MOVED_NAMES: dict[tuple[str, str], str] = {
 #: (class name, old attribute) → new attribute
 RENAMED_ATTRIBUTES: dict[tuple[str, str], str] = {
     ("Mixer", "rows"): "agents",
+}
+
+#: (function, old keyword) → new keyword (``eval_every`` of the config counts epochs; these count steps)
+RENAMED_KEYWORDS: dict[tuple[str, str], str] = {
+    ("Executor.run", "eval_every"): "eval_every_steps",
+    ("simulate", "eval_every"): "eval_every_steps",
 }
 
 
@@ -127,6 +133,30 @@ def item_as_attribute(self, name: str):
         raise KeyError(name)
     _warn(f"{cls}[{name!r}]", f"{cls}.{name}")
     return getattr(self, name)
+
+
+def renamed_keyword(function: str, kwargs: dict, new: str, value, *, rest: bool = False):
+    """The value of keyword ``new`` of ``function``, also when given under its old name (popped from ``kwargs``).
+
+    ``rest=True``: ``kwargs`` holds nothing else (any other keyword is a TypeError, as Python would say).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     renamed_keyword("simulate", {"eval_every": 5}, "eval_every_steps", None)
+    5
+    >>> print(caught[0].message)
+    simulate(eval_every=...) is an old name: use simulate(eval_every_steps=...)
+    """
+    for (fn, old), to in RENAMED_KEYWORDS.items():
+        if fn == function and to == new and old in kwargs:
+            if value is not None:
+                raise TypeError(f"{function}() got both {new}= and its old name {old}=; give {new}= only")
+            _warn(f"{function}({old}=...)", f"{function}({new}=...)")
+            value = kwargs.pop(old)
+    if rest and kwargs:
+        raise TypeError(f"{function}() got an unexpected keyword argument {next(iter(kwargs))!r}")
+    return value
 
 
 class _Forward(types.ModuleType):

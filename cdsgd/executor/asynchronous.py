@@ -79,6 +79,7 @@ from ..algorithms import Algorithm, is_asynchronous
 from ..mixers import neighbourhood
 from ..network import NetworkSpec, stragglers
 from .core import Executor
+from .timing import charge_step
 
 __all__ = ["AsyncExecutor", "EventTimes", "check_asynchronous", "executor_class"]
 
@@ -269,7 +270,7 @@ class AsyncExecutor(Executor):
         self.last_events = events
         active = sorted(per_agent)
         self._check_finite(active, torch.tensor([per_agent[i] for i in active], dtype=torch.float64))
-        self._wall += time.perf_counter() - t0
+        charge_step(self, time.perf_counter() - t0)
         self.last_loss = sum(per_agent.values()) / self.n_agents  # N events
         return self.last_loss
 

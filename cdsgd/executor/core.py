@@ -64,6 +64,7 @@ from torch import nn
 from ..algorithms import Algorithm, make_algorithm
 from ..algorithms.factory import UnknownHyperparameter
 from ..base.checks import check_int
+from ..base.compat import renamed_keyword
 from ..base.seeding import derive_seed, generator
 from . import evaluation
 from . import state as checkpoint_state
@@ -71,7 +72,7 @@ from .agents import build_agents, held_mixer
 from .gradients import STRATEGIES, make_strategy, nonfinite_rows
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream, check_shards, gather
-from .timing import ClockFeed
+from .timing import ClockFeed, charge_step
 
 __all__ = ["INITS", "Diverged", "Executor", "SimulationResult", "Simulator", "simulate"]
 
@@ -237,7 +238,9 @@ class Executor:
         # the row does not depend on how agents are spread over processes)
         self._loss_sums = torch.zeros(len(self.agents), dtype=torch.float64)
         self._loss_counts = torch.zeros(len(self.agents), dtype=torch.float64)
-        self._wall = 0.0
+        self._wall = 0.0  # the training seconds of the timed steps (charge_step)
+        #: seconds of the first step this process ran (compilation, first calls): not in wall_seconds
+        self.warmup_seconds, self.timed_steps, self._warm = 0.0, 0, False
         self.last_loss = float("nan")
         #: seconds spent in evaluation (not part of wall_seconds, which counts training steps only)
         self.eval_seconds = 0.0
@@ -293,7 +296,7 @@ class Executor:
         self._check_finite(active, losses)
         if clock is not None:
             clock.record(active, t1, self.mixer.bytes_sent - sent)
-        self._wall += time.perf_counter() - t0
+        charge_step(self, time.perf_counter() - t0)
         #: the mean batch loss of the agents held here at the last step (NaN if none stepped)
         self.last_loss = float(losses.mean()) if active else float("nan")
         return self.last_loss
@@ -341,24 +344,26 @@ class Executor:
 
     # -------------------------------------------------------------------- run
 
-    def run(self, *, epochs: float | None = None, steps: int | None = None, eval_every: int | None = None,
+    def run(self, *, epochs: float | None = None, steps: int | None = None, eval_every_steps: int | None = None,
             callback: Callable[[dict], None] | None = None, progress: Callable[[int], None] | None = None,
-            after_step: Callable[[int], None] | None = None) -> list[dict]:
-        """Run ``epochs`` epochs (or ``steps`` steps), evaluating every ``eval_every`` steps.
+            after_step: Callable[[int], None] | None = None, **old) -> list[dict]:
+        """Run ``epochs`` epochs (or ``steps`` steps), evaluating every ``eval_every_steps`` steps.
 
-        ``eval_every`` defaults to one epoch; the last step is always evaluated.
+        ``eval_every_steps`` (steps, unlike the config's ``eval_every`` in epochs; the old name
+        ``eval_every=`` warns) defaults to one epoch; the last step is always evaluated.
         Evaluations fall on the steps k (counted from the very start, also
-        after :meth:`load_state_dict`) with k % eval_every == 0.
+        after :meth:`load_state_dict`) with k % eval_every_steps == 0.
         ``callback(row)`` receives each metrics row as it is made, ``progress(k)``
         each step, ``after_step(k)`` each step after its evaluation (the place
         for checkpoints: the state then includes the row).
         """
+        eval_every_steps = renamed_keyword("Executor.run", old, "eval_every_steps", eval_every_steps, rest=True)
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs and steps")
         total = round(epochs * self.steps_per_epoch) if steps is None else check_int("steps", steps)
         if epochs is not None and (not epochs > 0 or total < 1):
             raise ValueError(f"epochs must be > 0 (at least one step), got {epochs!r}")
-        every = self.steps_per_epoch if eval_every is None else check_int("eval_every", eval_every)
+        every = self.steps_per_epoch if eval_every_steps is None else check_int("eval_every_steps", eval_every_steps)
         rows = []
         end = self.k + total
         alone = len(self.agents) == self.n_agents  # no other process: stop at the very step
@@ -421,18 +426,10 @@ def _make_algorithm(algorithm: str | Algorithm, hyper: dict) -> Algorithm:
                          f"nor a hyperparameter of algorithm {e.algorithm!r} ({', '.join(e.allowed)})") from None
 
 
-def simulate(
-    model_fn: Callable[[], nn.Module],
-    shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    W=None,
-    algorithm: str | Algorithm = "cdmsgd",
-    *,
-    epochs: float | None = None,
-    steps: int | None = None,
-    eval_every: int | None = None,
-    **options,
-) -> SimulationResult:
-    """Run the simulator on your own model, loss and per-agent data.
+def simulate(model_fn: Callable[[], nn.Module], shards: Sequence[tuple[torch.Tensor, torch.Tensor]], W=None,
+             algorithm: str | Algorithm = "cdmsgd", *, epochs: float | None = None, steps: int | None = None,
+             eval_every_steps: int | None = None, **options) -> SimulationResult:
+    """Run the simulator on your own model, loss and per-agent data, evaluating every ``eval_every_steps`` steps.
 
     ``options`` are :class:`Simulator`'s keyword arguments (``batch_size``,
     ``seed``, ``test_set``, ``loss_fn``, ...) and the algorithm's
@@ -440,8 +437,9 @@ def simulate(
     the final N×P parameters (row j is agent j; ``result.simulator.layout``
     maps them back to named tensors).
     """
+    eval_every_steps = renamed_keyword("simulate", options, "eval_every_steps", eval_every_steps)
     sim = Executor(model_fn, shards, W, algorithm, **options)
-    metrics = sim.run(epochs=epochs, steps=steps, eval_every=eval_every)
+    metrics = sim.run(epochs=epochs, steps=steps, eval_every_steps=eval_every_steps)
     return SimulationResult(metrics=metrics, params=sim.X.clone(), simulator=sim)
 
 

@@ -14,7 +14,7 @@ def state_dict(ex) -> dict:
     """Everything that decides the rest of the run, for the agents held here.
 
     Parameters, the algorithm's state (momentum), the step counter, the
-    train-loss window, the wall clock, each agent's data order (permutation,
+    train-loss window, the wall clock (training, warm-up, timed steps), each agent's data order (permutation,
     position, generator), augmentation and dropout streams, and the bytes
     counted so far. Only tensors, numbers, strings, lists and dicts: it
     loads with ``torch.load(weights_only=True)``. Restoring it into a
@@ -32,6 +32,8 @@ def state_dict(ex) -> dict:
         "loss_sums": ex._loss_sums.clone(),
         "loss_counts": ex._loss_counts.clone(),
         "wall": ex._wall,
+        "warmup_seconds": ex.warmup_seconds,
+        "timed_steps": ex.timed_steps,
         "eval_seconds": ex.eval_seconds,
         "nonfinite": ex._nonfinite.clone(),
         "streams": [s.state_dict() for s in ex.streams],
@@ -73,6 +75,8 @@ def load_state_dict(ex, state: dict) -> None:
     ex._loss_sums.copy_(state["loss_sums"])
     ex._loss_counts.copy_(state["loss_counts"])
     ex._wall = float(state["wall"])
+    ex.warmup_seconds = float(state.get("warmup_seconds", 0.0))  # older checkpoints: every step was timed
+    ex.timed_steps = int(state.get("timed_steps", ex.k))  # (this process's first step is warm-up again)
     ex.eval_seconds = float(state.get("eval_seconds", 0.0))
     if "nonfinite" in state:
         ex._nonfinite.copy_(state["nonfinite"])

@@ -7,14 +7,16 @@ Run on one machine with 4 agents on a ring:
 Each rank is one agent: it trains its own copy of the model on its own
 shard of scikit-learn's digits and, every step, averages its parameters with
 its ring neighbours only (CDMSGD). Nothing here is specific to the data or
-the model: swap in yours. The printed lines are each agent's own test
-accuracy and the distance of its parameters from rank 0's.
+the model: swap in yours. After each epoch rank 0 prints one line per agent:
+its own test accuracy and the distance of its parameters from rank 0's
+(gathered from every rank, so the ranks' lines never run into each other).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 
 import torch
 import torch.distributed as dist
@@ -59,12 +61,17 @@ def main() -> None:
             F.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()  # x_j <- sum_l pi_jl x_l + mu m_j - lr g_j
         with torch.no_grad():
-            acc = (model(data.test[0]).argmax(1) == data.test[1]).float().mean().item()
+            acc = (model(data.test[0]).argmax(1) == data.test[1]).float().mean()
             flat = torch.cat([p.reshape(-1) for p in model.parameters()])
             ref = flat.clone()
             dist.broadcast(ref, src=0)  # evaluation only: how far from rank 0?
-        print(f"rank {rank} epoch {epoch + 1}: test accuracy {acc:.3f}, |x_j - x_0| = {(flat - ref).norm():.4f}",
-              flush=True)
+            mine = torch.stack([acc, (flat - ref).norm()])
+            every = [torch.zeros(2) for _ in range(world)]
+            dist.all_gather(every, mine)  # rank 0 prints for all: one write, whole lines
+        if rank == 0:
+            sys.stdout.write("".join(f"rank {r} epoch {epoch + 1}: test accuracy {a:.3f}, |x_j - x_0| = {d:.4f}\n"
+                                     for r, (a, d) in enumerate(t.tolist() for t in every)))
+            sys.stdout.flush()
     dist.barrier()  # leave together: no rank closes its connections while a peer still reads from them
     # Tear gloo down here, while Python is fully alive. This works only if nothing else still holds the
     # process group. torch.distributed.nn binds group.WORLD as a default argument when it is imported,
