@@ -480,7 +480,7 @@ def test_dataset_record_checks_and_repr():
     with pytest.raises(ValueError, match=r"labels span 0\.\.2; allowed 0\.\.1"):
         D.Dataset("t", (x, y), (x, y), 2, (1, 2, 2))
     assert set(D.__all__) == {"DATASETS", "Dataset", "MIRRORS", "NORMALIZATION", "SHA256",
-                              "load_dataset", "random_crop_flip", "read_idx"}
+                              "check_data", "load_dataset", "random_crop_flip", "read_idx"}
     assert D.DATASETS.names() == ["digits", "synthetic", "mnist", "fashion-mnist", "mnist5k", "cifar10", "cifar100",
                                   "plaid", "japanese_vowels", "synthetic_seq"]
 

@@ -24,7 +24,8 @@ import topologies
 from cdsgd import cli
 from cdsgd.config import load_config
 from cdsgd.executor import Diverged, Executor
-from cdsgd.run.experiment import _eval_hint, run_experiment
+from cdsgd.run.experiment import run_experiment
+from cdsgd.run.hints import eval_hint
 from cdsgd.run.plan import validate_config
 from cdsgd.run.progress import Progress, format_seconds, pick_mode, safe_stream
 
@@ -48,7 +49,7 @@ def test_executor_stops_at_the_first_nonfinite_loss_naming_the_agent():
     ex = Executor(lambda: nn.Linear(3, 2), _shards(5, bad=3), W, "cdsgd", lr=0.1, batch_size=4)
     rows = []
     with pytest.raises(Diverged) as e:
-        ex.run(steps=20, eval_every=10, callback=rows.append)
+        ex.run(steps=20, eval_every_steps=10, callback=rows.append)
     assert (e.value.step, e.value.agent, e.value.what) == (1, 3, "training loss")
     assert ex.k == 1 and [r["step"] for r in rows] == [1]  # stopped at once, with that step's row
 
@@ -106,7 +107,8 @@ def test_summary_splits_the_wall_time_and_the_cli_says_it(tmp_path, capsys):
     assert isinstance(s["eval_bytes_per_agent"], int)
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"{format_seconds(s['total_seconds'])} in all" in line
-    assert f"({format_seconds(s['train_seconds'])} training, {format_seconds(s['eval_seconds'])} evaluation)" in line
+    assert (f"({format_seconds(s['train_seconds'])} training, {format_seconds(s['warmup_seconds'])} warm-up, "
+            f"{format_seconds(s['eval_seconds'])} evaluation)") in line
 
 
 def test_eval_hint_only_when_evaluation_dominates():
@@ -116,27 +118,27 @@ def test_eval_hint_only_when_evaluation_dominates():
     cfg = load_config()
     sim = Sim()
     sim._wall, sim.eval_seconds = 10.0, 3.0
-    assert _eval_hint(cfg, sim) == ""
+    assert eval_hint(cfg, sim) == ""
     sim.eval_seconds = 30.0
-    hint = _eval_hint(cfg, sim)
+    hint = eval_hint(cfg, sim)
     assert "eval_agents=" in hint and "eval_samples=" in hint and "2 agent(s) on 300 test samples" in hint
     assert "every 1 epoch(s)" in hint
-    assert "every 7 step(s)" in _eval_hint(load_config(overrides=["eval_steps=7"]), sim)
+    assert "every 7 step(s)" in eval_hint(load_config(overrides=["eval_steps=7"]), sim)
 
 
 def test_eta_counts_the_evaluations_still_to_come():
     total, every = 103, 10
-    timing = {"v": (0.0, 0.0, 0)}
+    timing = {"v": (0.0, 0, 0.0, 0)}
     p = Progress(total=total, every=every, mode="off", log=lambda m: None, timing=lambda: timing["v"])
     for k in range(0, total + 1):  # the evaluations after step k, counted one by one
         assert p.evaluations_left(k) == sum(1 for j in range(k + 1, total + 1) if j % every == 0 or j == total)
-    timing["v"] = (40.0, 12.0, 4)  # 40 steps in 40 s, 4 evaluations in 12 s
+    timing["v"] = (39.0, 39, 12.0, 4)  # 39 timed steps (the first is warm-up) in 39 s, 4 evaluations in 12 s
     assert p.eta(40) == pytest.approx(63 * 1.0 + 7 * 3.0)
 
 
 def test_lines_mode_prints_a_heartbeat_between_evaluations():
     lines = []
-    p = Progress(total=10, every=5, mode="lines", log=lines.append, timing=lambda: (1.0, 0.0, 0), interval=0.0)
+    p = Progress(total=10, every=5, mode="lines", log=lines.append, timing=lambda: (1.0, 1, 0.0, 0), interval=0.0)
     p.step(1)
     p.row("epoch 1", {"train_loss": 0.5, "test_accuracy": 0.8, "test_accuracy_avg_model": 0.9})
     assert lines[0].startswith("step 1/10 (10%), ETA ") and lines[1] == "epoch 1"
@@ -144,7 +146,7 @@ def test_lines_mode_prints_a_heartbeat_between_evaluations():
 
 def test_bar_keeps_every_evaluation_line_above_it():
     stream = io.StringIO()
-    p = Progress(total=4, every=2, mode="bar", log=lambda m: None, timing=lambda: (1.0, 1.0, 1), stream=stream)
+    p = Progress(total=4, every=2, mode="bar", log=lambda m: None, timing=lambda: (1.0, 1, 1.0, 1), stream=stream)
     for k in range(1, 5):
         p.step(k)
         if k % 2 == 0:
@@ -406,8 +408,8 @@ def test_plot_draws_both_when_a_run_sits_in_a_sweep_folder(tmp_path, capsys):
 
 
 def test_eta_of_a_resumed_run_uses_the_clocks_since_step_0():
-    """The executor's clocks survive a checkpoint: 100 steps in 100 s mean 1 s a step, whatever the resume step."""
-    p = Progress(total=200, every=50, mode="off", log=lambda m: None, timing=lambda: (100.0, 8.0, 2), initial=90)
+    """The executor's clocks survive a checkpoint: 99 timed steps in 99 s mean 1 s a step, whatever the resume step."""
+    p = Progress(total=200, every=50, mode="off", log=lambda m: None, timing=lambda: (99.0, 99, 8.0, 2), initial=90)
     assert p.eta(100) == pytest.approx(100 * 1.0 + 2 * 4.0)
 
 

@@ -136,8 +136,14 @@ seed = [0, 1]
 
 
 def test_failing_run_is_reported_and_the_rest_finish(tmp_path, capsys):
-    """A run that passes validation but fails when it runs (its data set's files are missing)."""
-    spec = write(tmp_path, TINY + f"""data_dir = "{tmp_path / 'no-data'}"
+    """A run that passes validation and the sweep's check of its files, but fails when it reads them
+    (its four MNIST files are there, but not IDX files)."""
+    data = tmp_path / "bad-data"
+    data.mkdir()
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (data / stem).write_bytes(b"not an IDX file")
+    spec = write(tmp_path, TINY + f"""data_dir = "{data}"
 [grid]
 dataset = ["digits", "mnist"]
 """)
@@ -145,10 +151,12 @@ dataset = ["digits", "mnist"]
     assert cli.main(["sweep", str(spec), "--out", str(out), "--jobs", "2"]) == 1
     text = capsys.readouterr().out
     assert "1 done, 0 skipped, 0 diverged, 1 failed" in text
-    assert "failed: dataset=mnist: cdsgd run: error: mnist: no folder holds all four IDX files" in text
+    failed = next(line for line in text.splitlines() if line.startswith("  failed: dataset=mnist: cdsgd run: error: "))
+    assert "train-images-idx3-ubyte has magic number 0x6e6f7420" in failed  # b"not " read as the magic number
     fields, rows = read_results(out)
     assert [r["run"] for r in rows] == ["dataset=digits"]
-    assert "no folder holds all four IDX files" in (out / "dataset=mnist" / "run.log").read_text()
+    assert failed.split("cdsgd run: error: ")[1] in (out / "dataset=mnist" / "run.log").read_text()
+    assert sorted(p.name for p in (out / "dataset=mnist").iterdir()) == ["run.log"]  # no partial results
 
 
 def test_bad_grid_value_is_refused_before_any_run(tmp_path, capsys):

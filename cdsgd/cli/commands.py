@@ -13,8 +13,10 @@ import sys
 from typing import Sequence
 
 from .. import __version__
+from .args import split_run_args
 from .export import _add_export
 from .launch import describe_launch_failure, launch_argv
+from .sweep import _add_sweep
 from .topo import _add_topo
 
 __all__ = ["main", "build_parser"]
@@ -59,31 +61,11 @@ def _add_run(sub) -> None:
     p.set_defaults(func=_cmd_run)
 
 
-def _split_run_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
-    """``[CONFIG.toml] [key=value ...]`` → (the config file or None, the overrides)."""
-    from ..config import config_keys
-
-    path, overrides = None, []
-    for i, a in enumerate(args):
-        if i == 0 and (a.endswith(".toml") or os.path.isfile(a)):
-            path = a  # the config file (its path may contain '=')
-        elif "=" in a:
-            overrides.append(a)
-        elif a in config_keys() or a.split(".")[0] in config_keys():
-            after = args[i + 1] if i + 1 < len(args) else "VALUE"
-            raise ValueError(f"{a!r} is a config key: write {a}={after} (one word, no spaces around '=')")
-        elif i == 0:
-            path = a
-        else:
-            raise ValueError(f"expected key=value after the config file, got {a!r}")
-    return path, overrides
-
-
 def _cmd_run(args) -> int:
     from ..config import dump_config, load_config
     from ..run.experiment import run_experiment, validate_config
 
-    path, overrides = _split_run_args(args.args)
+    path, overrides = split_run_args(args.args)
     cfg = load_config(path, overrides)
     plan = validate_config(cfg)
     if args.print_config:
@@ -100,8 +82,8 @@ def _cmd_run(args) -> int:
 
     print(f"test accuracy {num('test_accuracy', '.4f')} (average model {num('test_accuracy_avg_model', '.4f')}), "
           f"consensus distance {num('consensus_distance', '.4g')}; {format_seconds(summary['total_seconds'])} in all "
-          f"({format_seconds(summary['train_seconds'])} training, {format_seconds(summary['eval_seconds'])} "
-          f"evaluation); results in {summary['out']}")
+          f"({format_seconds(summary['train_seconds'])} training, {format_seconds(summary['warmup_seconds'])} warm-up, "
+          f"{format_seconds(summary['eval_seconds'])} evaluation); results in {summary['out']}")
     return 0
 
 
@@ -155,7 +137,7 @@ def _cmd_launch(args) -> int:
         raise ValueError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    path, overrides = _split_run_args(args.args)
+    path, overrides = split_run_args(args.args)
     cfg = load_config(path, overrides + ["executor=torch"])
     validate_config(cfg)
     world = args.nproc_per_node * args.nnodes
@@ -188,57 +170,6 @@ def _cmd_launch(args) -> int:
     return 0
 
 
-# -------------------------------------------------------------------- sweep
-
-
-def _add_sweep(sub) -> None:
-    p = sub.add_parser(
-        "sweep",
-        help="run a grid of experiments and tabulate them",
-        description="Expand a sweep file (a [base] table of config keys or base = \"config.toml\", a [grid] of "
-        "lists, optional [[zip]] groups and [[exclude]] tables) into runs, run those not finished yet (a run "
-        "is identified by its resolved config), and write DIR/results.csv. One failing run does not stop "
-        "the others.",
-        epilog="examples:\n  cdsgd sweep experiments/ablations/topology.toml --out runs/topology --jobs 2\n"
-        "  cdsgd sweep --collect runs/topology\n  cdsgd plot runs/topology\ndocs: docs/sweeps.md",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("sweep", nargs="?", metavar="SWEEP.toml", help="the sweep file (not needed with --collect)")
-    p.add_argument("--out", default=None, help="sweep folder (default: runs/<sweep file name>)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time, in separate processes, each with cores/J threads "
-                   "unless OMP_NUM_THREADS is set (default 1)")
-    p.add_argument("--collect", metavar="DIR", default=None, help="only rebuild DIR/results.csv from its runs")
-    p.add_argument("--dry-run", action="store_true", help="list the runs and exit")
-    p.set_defaults(func=_cmd_sweep)
-
-
-def _cmd_sweep(args) -> int:
-    from pathlib import Path
-
-    from ..run.sweep import collect, load_sweep, run_sweep
-
-    if args.collect:
-        if not Path(args.collect).is_dir():
-            raise ValueError(f"--collect: {args.collect!r} is not a folder")
-        rows = collect(args.collect)
-        print(f"{len(rows)} runs in {Path(args.collect) / 'results.csv'}")
-        return 0
-    if not args.sweep:
-        raise ValueError("give a sweep file (or --collect DIR)")
-    out = args.out or str(Path("runs") / Path(args.sweep).stem)
-    runs = load_sweep(args.sweep, out)
-    if args.dry_run:
-        for r in runs:
-            print(r.folder)
-        print(f"{len(runs)} runs")
-        return 0
-    from ..run.progress import safe_stream
-
-    stdout = safe_stream(sys.stdout)  # `cdsgd sweep ... | head` must not stop the sweep
-    report = run_sweep(runs, out, jobs=args.jobs, log=lambda line: print(line, file=stdout, flush=True))
-    return 1 if report["failed"] else 0
-
-
 # --------------------------------------------------------------------- plot
 
 
@@ -255,11 +186,23 @@ def _add_plot(sub) -> None:
         "average model's side by side; mean and min-max band over seeds when a group has several); with a "
         "simulated network (network=), accuracy_vs_sim_time.png, and with target_accuracy, time_to_target.png "
         "(simulated seconds to the target per graph, a seed that never reached it marked so); and "
-        "table.md: the final metrics per group of runs (mean ± std over seeds).",
-        epilog="example: cdsgd plot runs/topology",
+        "table.md: the final metrics per group of runs (mean ± std over seeds). Series are named as words "
+        "(ring, CDMSGD), each with its own marker; a run that diverged, failed or was stopped is drawn as far "
+        "as it went, ending in an X, and marked in the legend and in table.md. A panel is 3.3 x 2.5 inches "
+        "(a paper's column) with 8-point text.",
+        epilog="examples:\n  cdsgd plot runs/topology\n  cdsgd plot runs/topology --format png,pdf --dpi 300 "
+        "--out paper/figures",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from ..report.style import DPI, FORMATS
+
     p.add_argument("folder", metavar="DIR", help="a run folder or a sweep folder")
-    p.add_argument("--out", default=None, help="where to write the PNG files (default: DIR)")
+    p.add_argument("--out", default=None, help="where to write the figures and table.md (default: DIR)")
+    p.add_argument("--format", dest="formats", action="append", metavar="FMT",
+                   help=f"file format(s) of the figures: {', '.join(FORMATS)}; several as a comma-separated list "
+                   "(--format png,pdf); default: png")
+    p.add_argument("--dpi", type=float, default=DPI, help=f"resolution of PNG files (default: {DPI}; PDF and "
+                   "SVG are vector files)")
     p.set_defaults(func=_cmd_plot)
 
 
@@ -269,21 +212,26 @@ def _cmd_plot(args) -> int:
     from ..report.plotting import plot_run, plot_sweep
     from ..run.sweep import collect
 
+    from ..report.style import parse_formats
+
     folder = Path(args.folder)
     if not folder.is_dir():
         raise ValueError(f"{args.folder!r} is not a folder")
+    formats = parse_formats(args.formats)
+    if not (args.dpi > 0 and args.dpi < float("inf")):
+        raise ValueError(f"--dpi must be a positive number, got {args.dpi:g} (e.g. --dpi 300)")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     runs = [d for d in folder.iterdir() if d.is_dir() and (d / "metrics.csv").exists()]
     single = (folder / "metrics.csv").exists()
-    files = plot_run(folder, args.out) if single else []
+    files = plot_run(folder, args.out, formats, args.dpi) if single else []
     if runs or not single:
         if single:  # a run written into a sweep folder (earlier releases allowed it): draw both, and say so
             print(f"cdsgd plot: {args.folder!r} holds a run's metrics.csv and {len(runs)} run folder(s); "
                   "drawing both (write single runs elsewhere)", file=sys.stderr)
         if not (folder / "results.csv").exists():
             collect(folder)
-        files += plot_sweep(folder, args.out)
+        files += plot_sweep(folder, args.out, formats, args.dpi)
         from ..run.sweep import group_table
 
         table = Path(args.out or folder) / "table.md"
@@ -396,7 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import threading
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "args") and not any(a.startswith("-") for a in extra):
+        args.args += extra  # key=value after an option: cdsgd sweep FILE --out DIR dataset=digits
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.verb in ("run", "sweep") and threading.current_thread() is threading.main_thread():
         # SIGTERM (a scheduler's stop, torchrun stopping its workers) ends a run as Ctrl-C does:
         # the files of the evaluations done are complete and summary.json says "interrupted"

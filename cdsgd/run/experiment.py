@@ -20,8 +20,11 @@ partitions the data, builds the model, runs the executor and writes, into
     ``status`` (``completed`` or ``interrupted``), and the versions of torch
     and cdsgd.
 
-On Ctrl-C the rows of the evaluations done stay complete, summary.json is
-written with ``status = "interrupted"``, and KeyboardInterrupt propagates.
+On Ctrl-C (or SIGTERM) a run in one process finishes the step in progress and
+writes a checkpoint of it (:mod:`cdsgd.run.interrupt`), so ``resume=true``
+continues from that very step; the rows of the evaluations done stay
+complete, summary.json is written with ``status = "interrupted"``, and
+KeyboardInterrupt propagates.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ from ..executor.asynchronous import executor_class
 from ..executor.evaluation import default_eval_agents
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
+from .hints import diverged_hint, eval_hint, resume_hint
+from .interrupt import StopBetweenSteps
 from .logger import make_logger
 from .plan import Parts, Plan, hyperparameters, prepare, validate_config
-from .progress import Progress, format_seconds, pick_mode, safe_stream
+from .progress import Progress, pick_mode, safe_stream
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
@@ -72,9 +77,9 @@ def default_out(cfg: Config) -> str:
 
 def _prepare_out(cfg: Config, *, resume: bool = False) -> str:
     """The output folder, made. Resuming, it may hold files, but only of a run with the same config."""
-    out = Path(cfg.out or default_out(cfg))
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output path {str(out)!r} exists and is not a folder")
+    from .preflight import output_folder  # makes it, or one line naming it and why it cannot
+
+    out = output_folder(cfg.out or default_out(cfg), option="out=")
     if resume and (out / "config.toml").is_file():
         try:
             there = load_config(out / "config.toml")
@@ -93,7 +98,6 @@ def _prepare_out(cfg: Config, *, resume: bool = False) -> str:
         if not cfg.overwrite:
             raise ValueError(f"output folder {str(out)!r} is not empty; choose another out=, set overwrite=true, "
                              "or resume=true to continue the run there")
-    out.mkdir(parents=True, exist_ok=True)
     return str(out)
 
 
@@ -260,27 +264,6 @@ def _csv_row(row: dict) -> dict:
     return {k: repr(v) if isinstance(v, float) else v for k, v in row.items()}
 
 
-def _eval_hint(cfg: Config, sim: Executor) -> str:
-    """When evaluation took longer than training: the keys that make it cheaper."""
-    train, evaluation = sim._wall, sim.eval_seconds
-    if evaluation <= train:
-        return ""
-    return (f"evaluation took {format_seconds(evaluation)} against {format_seconds(train)} of training; "
-            f"it evaluates {len(sim.eval_agents)} agent(s) on {len(sim.test_set[1]) if sim.test_set else 0} "
-            f"test samples every {f'{cfg.eval_steps} step(s)' if cfg.eval_steps else f'{cfg.eval_every} epoch(s)'}: "
-            "eval_agents=, eval_samples= or a larger eval_every= (eval_steps=) make it cheaper (docs/running.md)")
-
-
-def _resume_hint(cfg: Config, out: Path, world: int) -> str:
-    """How to continue an interrupted run."""
-    verb = f"cdsgd launch --nproc-per-node {world}" if cfg.executor == "torch" else "cdsgd run"
-    how = f"{verb} {out / 'config.toml'} resume=true"
-    if not cfg.checkpoint_every:
-        return (f"it wrote no checkpoints (checkpoint_every=0), so '{how}' would start over; "
-                "set checkpoint_every= to make runs resumable")
-    return f"continue it with: {how}"
-
-
 def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *, mode: str,
            log: Callable[[str], None], resume: dict | None = None, started: float | None = None) -> dict:
     """Run the executor; rank 0 writes config.toml, metrics.csv, summary.json (and params.pt).
@@ -305,6 +288,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         "lambda2": gap.lambda2,
         "effective_neighbours": _json_number(parts.plan.effective_neighbours()) if writer else None,
         "effective_neighbours_decay": topologies.EFFECTIVE_DECAY,
+        "topology_draw": parts.graph.graph.get("draw") if parts.plan.uses_graph else None,  # random graphs'
         "n_parameters": sim.layout.numel,
         "steps_per_epoch": sim.steps_per_epoch,
         "strategy": sim.strategy,
@@ -347,7 +331,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in parts.plan.graph.edges())
     eval_steps = cfg.eval_steps or cfg.eval_every * sim.steps_per_epoch
     shown = Progress(total=total, every=eval_steps, mode=mode, log=log, initial=sim.k,
-                     timing=lambda: (sim._wall, sim.eval_seconds, len(rows)))  # all cumulative from step 0
+                     timing=lambda: (sim._wall, sim.timed_steps, sim.eval_seconds, len(rows)))  # since step 0
     board = make_logger(cfg.logger if writer else "none", out,
                         purge_step=(sim.k + 1) if resume is not None else (0 if cfg.overwrite else None))
     board.text("config", dump_config(cfg))
@@ -374,7 +358,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
                       f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
                       f"consensus {row['consensus_distance']:.3g}", row)
-            hint = "" if hinted else _eval_hint(cfg, sim)
+            hint = "" if hinted else eval_hint(cfg, sim)
             if hint:
                 hinted = True
                 shown.note(f"note: {hint}")
@@ -391,14 +375,21 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             sim.reducer.barrier(f"checkpoint of step {k} (waiting for every rank to write its file)")
             ckpt.prune(out, rank, keep=k)  # step k is complete on every rank: older ones are not needed
 
+        stop = StopBetweenSteps(enabled=world == 1)  # ranks could not agree on the step to stop at
+
         def after_step(k: int) -> None:
-            if every and (k % every == 0 or k == total):  # and at the end: a finished run can be extended
+            periodic = every and (k % every == 0 or k == total)  # and at the end: a finished run can be extended
+            if periodic or stop.requested:  # Ctrl-C/SIGTERM held until now: a checkpoint of the step it stopped
                 save_checkpoint(k)
+            if stop.requested:
+                summary["checkpoint_at_interruption"] = k
+                stop.deliver()
 
         try:
             if total > sim.k:
-                sim.run(steps=total - sim.k, eval_every=eval_steps, callback=on_row, progress=on_step,
-                        after_step=after_step)
+                with stop:
+                    sim.run(steps=total - sim.k, eval_every_steps=eval_steps, callback=on_row, progress=on_step,
+                            after_step=after_step)
             if cfg.save_params:
                 params = sim.reducer.gather(sim.X)
                 if writer:
@@ -408,8 +399,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             summary.update(status="diverged", error=str(e), diverged_at_step=e.step, diverged_agent=e.agent,
                            diverged_what=e.what)
             shown.close()
-            log(f"cdsgd run: stopped at step {e.step} of {total}, status diverged; try a lower lr={cfg.lr:g}"
-                + (f" or momentum={cfg.momentum:g}" if "momentum" in hyperparameters(cfg) else ""))
+            log(f"cdsgd run: stopped at step {e.step} of {total}, status diverged; {diverged_hint(cfg)}")
             raise
         except (Exception, KeyboardInterrupt) as e:
             try:
@@ -419,7 +409,8 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
             summary["error"], summary["status"] = failure.message, failure.status(e)
             if summary["status"] == "interrupted":
                 shown.close()
-                log(f"cdsgd run: interrupted at step {sim.k} of {total}; {_resume_hint(cfg, out, world)}")
+                saved = "checkpoint_at_interruption" in summary
+                log(f"cdsgd run: interrupted at step {sim.k} of {total}; {resume_hint(cfg, out, world, saved=saved)}")
             raise
         finally:
             shown.close()
@@ -435,6 +426,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
                 summary.update(to_target(rows, cfg.target_accuracy))
             summary["evaluations"] = len(rows)
             summary["train_seconds"] = sim._wall
+            summary["warmup_seconds"] = sim.warmup_seconds  # the first step of each process, not in train_seconds
             summary["eval_seconds"] = sim.eval_seconds
             summary["total_seconds"] = before + time.perf_counter() - started
             summary["eval_bytes_per_agent"] = int(round(sim.reducer.bytes))

@@ -35,30 +35,25 @@ folders at any time (:func:`collect`).
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import itertools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import threading
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import topologies
 
 from ..base.files import atomic_write
-from ..config import VOLATILE_KEYS, Config, dump_config, load_config, short_value, toml_value
+from ..config import VOLATILE_KEYS, Config, dump_config, load_config, short_value
 from ..runtime.group import Terminated
-from .checkpoint import config_for_checkpoint
-from .plan import validate_config
+from .preflight import output_folder, require, rerun_report, stop_hint
+from .sweep_file import SweepRun, load_sweep, run_identity
 
 __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "group_keys", "run_identity",
            "RESULT_COLUMNS"]
@@ -66,127 +61,10 @@ __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "gro
 #: the fixed columns of results.csv, after the sweep's varying keys: the run's summary.json values (empty
 #: where it has none: ``simulated_seconds`` without a network, the ``*_target`` ones without a
 #: ``target_accuracy`` or, but ``target_accuracy``, when the run never reached it), then its status and folder
-RESULT_COLUMNS = ["seed", "spectral_gap", "effective_neighbours", "epoch", "step", "train_loss", "test_loss", "test_accuracy",
-                  "test_accuracy_avg_model", "consensus_distance", "bytes_sent_per_agent",
+RESULT_COLUMNS = ["seed", "spectral_gap", "effective_neighbours", "topology_draw", "epoch", "step", "train_loss",
+                  "test_loss", "test_accuracy", "test_accuracy_avg_model", "consensus_distance", "bytes_sent_per_agent",
                   "best_test_accuracy", "wall_seconds", "simulated_seconds", "target_accuracy", "steps_to_target",
                   "sim_seconds_to_target", "status", "run"]
-
-_SWEEP_KEYS = {"base", "grid", "zip", "exclude"}
-
-
-@dataclass
-class SweepRun:
-    """One run of a sweep: its varying keys, resolved config and folder."""
-
-    varying: dict
-    config: Config
-    folder: Path
-
-    @property
-    def identity(self) -> str:
-        return run_identity(self.config)
-
-
-def run_identity(cfg: Config) -> str:
-    """Digest of the resolved config without where and how it is written (out, overwrite, checkpoints...)."""
-    data = config_for_checkpoint(cfg.__dict__)
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _folder_name(varying: dict) -> str:
-    parts = []
-    for k, v in varying.items():
-        parts.append(f"{k}={short_value(v)}")
-    name = re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(parts)) or "run"
-    if len(name) > 150:  # keep it readable and stable: truncate, then disambiguate
-        name = name[:130] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
-    return name
-
-
-def _as_list(where: str, key: str, value) -> list:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"sweep {where}.{key} must be a non-empty list of values, got {value!r}")
-    return value
-
-
-def _tables(data: dict, key: str) -> list[dict]:
-    """``[[key]]`` groups (or one ``[key]`` table) of a sweep file as a list of tables."""
-    value = data.get(key, [])
-    value = [value] if isinstance(value, dict) else value
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ValueError(f"sweep {key!r} must be tables ([[{key}]] groups of config keys), got {value!r}")
-    return value
-
-
-def load_sweep(path: str | os.PathLike, out: str | os.PathLike) -> list[SweepRun]:
-    """Expand a sweep file into its runs (validated), with folders under ``out``."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"sweep file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise IsADirectoryError(f"sweep file {str(path)!r} is a folder, not a file") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"sweep file {str(path)!r} is not UTF-8 text (byte {e.start}: "
-                         f"{e.object[e.start:e.start + 1]!r})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
-    unknown = sorted(set(data) - _SWEEP_KEYS)
-    if unknown:
-        raise ValueError(f"sweep file {str(path)!r}: unknown table or key {unknown[0]!r}; "
-                         f"allowed: base, grid, zip, exclude")
-    base_file, base = None, {}
-    raw_base = data.get("base", {})
-    if isinstance(raw_base, str):
-        base_file = raw_base
-    elif isinstance(raw_base, dict):
-        base = dict(raw_base)
-        base_file = base.pop("file", None)
-        if base_file is not None and not isinstance(base_file, str):
-            raise ValueError(f"sweep base.file must be a config file path (a string), got {base_file!r}")
-    else:
-        raise ValueError(f"sweep 'base' must be a config file path or a table of config keys, got {raw_base!r}")
-    grid = data.get("grid", {})
-    if not isinstance(grid, dict):
-        raise ValueError("sweep 'grid' must be a table mapping config keys to lists")
-    dims: list[list[dict]] = [[{k: v} for v in _as_list("grid", k, vals)] for k, vals in grid.items()]
-    zips = _tables(data, "zip")
-    for number, z in enumerate(zips):
-        if not z:
-            raise ValueError(f"sweep zip group {number} is empty; give it keys with lists of one length")
-        lengths = {k: len(_as_list("zip", k, v)) for k, v in z.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"sweep zip group keys must have lists of one length, got {lengths}")
-        n = next(iter(lengths.values()))
-        dims.append([{k: z[k][i] for k in z} for i in range(n)])
-    excludes = _tables(data, "exclude")
-    varying_keys: list[str] = []
-    for dim in dims:
-        for k in dim[0]:
-            if k in varying_keys:
-                raise ValueError(f"sweep key {k!r} appears in more than one grid/zip dimension")
-            varying_keys.append(k)
-    runs, seen = [], {}
-    out = Path(out)
-    for combo in itertools.product(*dims) if dims else [()]:
-        varying = {}
-        for part in combo:
-            varying.update(part)
-        if any(all(varying.get(k) == v for k, v in ex.items()) for ex in excludes):
-            continue
-        overrides = [f"{k}={toml_value(v)}" for k, v in {**base, **varying}.items()]
-        cfg = load_config(base_file, overrides)
-        name = _folder_name(varying)
-        cfg.out = str(out / name)
-        validate_config(cfg)
-        if name in seen:
-            raise ValueError(f"two runs of the sweep would share the folder {name!r}")
-        seen[name] = True
-        runs.append(SweepRun(varying=varying, config=cfg, folder=out / name))
-    if not runs:
-        raise ValueError(f"sweep file {str(path)!r} expands to no run (everything excluded?)")
-    return runs
 
 
 def _same_run(folder: Path, identity: str) -> bool:
@@ -239,14 +117,23 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    require([r.config for r in runs])  # data the runs need: one error before any folder exists
+    out = output_folder(out, option="--out")
     threads = _threads_per_run(jobs)
-    todo, skipped = [], []
+    todo, skipped, reruns, replaced = [], [], [], []
     for r in runs:
-        (skipped if _finished(r.folder, r.identity) else todo).append(r)
+        if _finished(r.folder, r.identity):
+            skipped.append(r)
+            continue
+        todo.append(r)
+        if _same_run(r.folder, r.identity):
+            reruns.append((r.folder.name, _status(r.folder).get("status", "no summary")))
+        elif (r.folder / "config.toml").is_file():
+            replaced.append(r.folder.name)
     if skipped:
         log(f"cdsgd sweep: {len(skipped)} of {len(runs)} runs already finished (same config): skipped")
+    for line in rerun_report(reruns, replaced, len(todo) - len(reruns) - len(replaced)):
+        log(line)
     log(f"cdsgd sweep: running {len(todo)} runs, {jobs} at a time, {threads} thread(s) each, in {out}")
     failed, done, diverged = [], [], []
 
@@ -290,20 +177,20 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
             else:
                 failed.append((name, msg))
                 log(f"[{i}/{len(todo)}] FAILED  {name} ({secs:.0f} s): {msg}")
-    except Terminated:
+    except KeyboardInterrupt as e:
         # SIGTERM reached the sweep alone (``kill PID``, a scheduler stopping the job's main process): pass it
         # on to the runs, which write their files and say "interrupted", rather than leave them running
         # without the sweep. (Ctrl-C reaches every process of the terminal's group by itself.)
         with lock:
-            stopping = True
-            for p in live:
+            stopping = "term" if isinstance(e, Terminated) else "int"
+            for p in live if stopping == "term" else ():
                 p.terminate()
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # the runs in progress end (and write their files) first
         if stopping:
-            log(f"cdsgd sweep: stopped; the runs in progress were stopped too. Run the same command again to "
-                f"continue: finished runs are skipped, interrupted ones resume ({out})")
+            finished = len(skipped) + sum(_finished(r.folder, r.identity) for r in todo)
+            log(stop_hint(out, finished, len(runs), how="stopped by SIGTERM" if stopping == "term" else "interrupted"))
     rows = collect(out)
     log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(diverged)} diverged, {len(failed)} failed; "
         f"{len(rows)} rows in {out / 'results.csv'}")
@@ -339,7 +226,7 @@ def collect(out: str | os.PathLike) -> list[dict]:
         row = {k: _cell(getattr(cfg, k)) for k in varying}
         row["seed"] = cfg.seed
         for k in RESULT_COLUMNS[1:-1]:
-            row[k] = summary.get(k)
+            row[k] = _cell(summary.get(k))  # topology_draw, a random graph's {"seed", "redraws"}: JSON
         row["run"] = folder.name
         rows.append(row)
     text = io.StringIO(newline="")
@@ -363,21 +250,25 @@ def group_keys(rows: list[dict]) -> list[str]:
 
 
 def group_table(out: str | os.PathLike) -> str:
-    """A Markdown table of ``out/results.csv``: completed runs grouped by their varying keys
-    except the seed, with the mean (± standard deviation over seeds) of the final metrics; with a
-    network the simulated seconds, and with a ``target_accuracy`` the steps (and simulated seconds)
-    to it over the seeds that reached it ("2/3 reached"; "not reached" when none did)."""
+    """A Markdown table of ``out/results.csv``: runs grouped by their varying keys except the seed,
+    with the mean (± standard deviation over seeds) of the final metrics; with a network the simulated
+    seconds, and with a ``target_accuracy`` the steps (and simulated seconds) to it over the seeds that
+    reached it ("2/3 reached"; "not reached" when none did). Runs that did not complete (diverged,
+    failed, interrupted) are never left out: a ``status`` column then says, for each group, how many
+    seeds ended so and at which epoch (``diverged at epoch 0.8``), in a row of their own."""
     import statistics
 
     out = Path(out)
     with open(out / "results.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["status"] == "completed"]
-    if not rows:
-        raise ValueError(f"{out / 'results.csv'} lists no completed run")
-    varying = group_keys(rows)
+        every = list(csv.DictReader(f))
+    if not every:
+        raise ValueError(f"{out / 'results.csv'} lists no run")
+    varying = group_keys(every)
     groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r[k] for k in varying), []).append(r)
+    for r in every:  # a group per status: the completed seeds' means, and apart from them the others
+        groups.setdefault((*(r[k] for k in varying), r["status"]), []).append(r)
+    rows = [r for r in every if r["status"] == "completed"] or every
+    stopped = any(r["status"] != "completed" for r in every)
 
     def stat(runs, col, fmt):
         vals = [float(r[col]) for r in runs if r.get(col) not in ("", None)]
@@ -405,8 +296,9 @@ def group_table(out: str | os.PathLike) -> str:
         ("steps_to_target", f"steps to {target}", ".0f", to_target, "target_accuracy"),
         ("sim_seconds_to_target", f"simulated s to {target}", ".3g", to_target, "simulated_seconds"))
         if need in has and ("target_accuracy" in has or "target" not in c)]
-    head = [*varying, "seeds", "spectral gap", *(c[1] for c in cols), "MB sent/agent", *(e[1] for e in extra)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(varying) + [" ---: "] * (len(head) - len(varying))) + "|"]
+    keys = [*varying, "status"] if stopped else varying
+    head = [*keys, "seeds", "spectral gap", *(c[1] for c in cols), "MB sent/agent", *(e[1] for e in extra)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(keys) + [" ---: "] * (len(head) - len(keys))) + "|"]
     def order(key):  # numbers by value (16 before 256), other values as text
         def one(v):
             try:
@@ -415,10 +307,14 @@ def group_table(out: str | os.PathLike) -> str:
                 return (1, 0.0, str(v))
         return [one(v) for v in key]
 
-    for key, runs in sorted(groups.items(), key=lambda kv: order(kv[0])):
-        cells = [short_value(v) for v in key]
+    for key, runs in sorted(groups.items(), key=lambda kv: order(kv[0][:-1]) + [kv[0][-1] != "completed"]):
+        cells = [short_value(v) for v in key[:-1]]
+        if stopped:  # where the others stopped: their metrics are not final, so not shown as such
+            epochs = sorted({f"{float(r['epoch']):g}" for r in runs if r.get("epoch") not in ("", None)}, key=float)
+            at = f" at epoch {' to '.join(dict.fromkeys([epochs[0], epochs[-1]]))}" if epochs else ""
+            cells.append(key[-1] if key[-1] == "completed" else f"**{key[-1]}**{at}")
         cells += [str(len(runs)), topologies.format_gap(float(runs[0]['spectral_gap']), 3)]
-        cells += [stat(runs, c, fmt) for c, _, fmt in cols]
+        cells += [stat(runs, c, fmt) if key[-1] == "completed" else "—" for c, _, fmt in cols]
         cells += [f"{float(runs[0]['bytes_sent_per_agent']) / 1e6:.1f}"]
         cells += [cell(runs, c, fmt) for c, _, fmt, cell in extra]
         lines.append("| " + " | ".join(cells) + " |")
