@@ -235,6 +235,9 @@ def test_metrics_rows_and_evaluation_bounds():
     avg = mlp()
     sim.layout.load_into(avg, sim.X.mean(0))
     assert final["test_accuracy_avg_model"] == pytest.approx(float((avg(tx).argmax(1) == ty).float().mean()))
+    with torch.no_grad():  # and its test loss: the mean cross-entropy of x̄ on the test set
+        assert final["test_loss_avg_model"] == pytest.approx(float(torch.nn.functional.cross_entropy(avg(tx), ty)),
+                                                             rel=1e-5)
     Xd = sim.X.double()
     assert final["consensus_distance"] == pytest.approx(float(((Xd - Xd.mean(0)) ** 2).sum(1).mean().sqrt()))
 

@@ -318,7 +318,7 @@ CASES = [
     Case("cli-topo-param-without-value", ("topo", "ring", "--n", "5", "--param", "k"), 2,
          r"--param expects KEY=VALUE, got 'k'", "'k'"),
     Case("cli-plot-folder-without-run", ("plot", "{tmp}/empty"), 2,
-         r"empty holds no run to plot: no metrics\.csv .* lists no completed run", "{tmp}/empty",
+         r"empty holds no run to plot: no metrics\.csv .* lists no run", "{tmp}/empty",
          files={"empty": None}),
     Case("cli-plot-not-a-folder", ("plot", "{tmp}/nowhere"), 2, r"'.*nowhere' is not a folder", "{tmp}/nowhere"),
     Case("cli-plot-foreign-metrics-csv", ("plot", "{tmp}/r"), 2,

@@ -21,7 +21,7 @@ from cdsgd.run.sweep import RESULT_COLUMNS
 METRICS = ["epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_accuracy_avg_model",
            "consensus_distance", "bytes_sent_per_agent", "wall_seconds", "sim_seconds"]
 #: what a run dict of :func:`make_sweep` may hold besides its varying keys
-RUN_FIELDS = ("seed", "acc", "avg", "bytes", "secs", "loss", "sim", "target")
+RUN_FIELDS = ("seed", "acc", "avg", "bytes", "secs", "loss", "sim", "target", "status", "avg_loss")
 
 
 def write_csv(path, fields, rows):
@@ -36,7 +36,10 @@ def make_sweep(root, runs, epochs=(1.0, 2.0, 3.0)):
     """A sweep folder: ``runs`` are dicts of the varying keys plus seed, acc, avg (final accuracies
     of the agents and of the average model) and bytes; metrics rise linearly to the final values.
     Optional: secs (training seconds per epoch), loss, sim (simulated seconds per epoch: a network's
-    clock) and target (target_accuracy: the *_to_target columns as a run computes them)."""
+    clock), target (target_accuracy: the *_to_target columns as a run computes them), avg_loss (the
+    average model's final test loss: a ``test_loss_avg_model`` column) and status: a run that did not
+    complete stopped at its first evaluation (epoch 0.8) with NaN losses and chance accuracy, as a
+    diverged run does; a failed one left no metrics.csv."""
     from cdsgd.run.experiment import to_target
 
     keys = [k for k in runs[0] if k not in RUN_FIELDS]
@@ -52,14 +55,25 @@ def make_sweep(root, runs, epochs=(1.0, 2.0, 3.0)):
              "consensus_distance": 0.5 / (k + 1), "bytes_sent_per_agent": r["bytes"] * (k + 1) / last,
              "wall_seconds": r.get("secs", 1.0) * k, "sim_seconds": r["sim"] * (k + 1) if "sim" in r else float("nan")}
             for k, e in enumerate(epochs)]
-        write_csv(root / name / "metrics.csv", METRICS, metrics)
+        status = r.get("status", "completed")
+        if "avg_loss" in r:
+            for k, m in enumerate(metrics):
+                m["test_loss_avg_model"] = r["avg_loss"] / (k + 1)
+        if status != "completed":
+            metrics = [{**metrics[0], "epoch": 0.8, "train_loss": float("nan"), "test_loss": float("nan"),
+                        "test_accuracy": 0.1, "consensus_distance": float("nan")}]
+        if status != "failed":
+            write_csv(root / name / "metrics.csv", list(metrics[0]), metrics)
+        else:
+            (root / name).mkdir(parents=True)
         timed = {"simulated_seconds": metrics[-1]["sim_seconds"]} if "sim" in r else {}
         if r.get("target"):
             timed.update(to_target(metrics, r["target"]))
         rows.append({**{k: r[k] for k in keys}, "seed": r["seed"], "spectral_gap": 0.5, "effective_neighbours": 3.0,
                      "epoch": epochs[-1], "step": 10 * last, "test_accuracy": r["acc"],
                      "test_accuracy_avg_model": r["avg"], "consensus_distance": 0.1, "bytes_sent_per_agent": r["bytes"],
-                     "status": "completed", "run": name,
+                     **({"epoch": 0.8, "test_accuracy": 0.1} if status != "completed" else {}),
+                     "status": status, "run": name,
                      **{k: v for k, v in timed.items() if k in RESULT_COLUMNS and v is not None}})
     write_csv(root / "results.csv", keys + RESULT_COLUMNS, rows)
     return root
@@ -90,6 +104,11 @@ def labelled_xticks(ax):
     lo, hi = sorted(ax.get_xlim())
     return [(t.get_loc(), t.label1.get_text()) for t in ax.xaxis.get_major_ticks()
             if lo <= t.get_loc() <= hi and t.label1.get_visible() and t.label1.get_text()]
+
+
+def legends(fig):
+    """The figure's legends: one beside or below the panels, or one inside a lone panel."""
+    return fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
 
 
 def title(fig):
@@ -179,19 +198,18 @@ def test_text_valued_keys_keep_their_order_and_colours(tmp_path):
     runs = [{"topology": t, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for t in ("star", "complete", "ring")]
     ax = visible_axes(sweep_figures(make_sweep(tmp_path, runs))["accuracy_vs_epoch.png"])[0]
     colours = {line.get_label(): line.get_color() for line in ax.get_lines()}
-    assert colours == {"topology=complete": "C0", "topology=ring": "C1", "topology=star": "C2"}
+    assert colours == {"complete": "C0", "ring": "C1", "star": "C2"}  # a topology names itself
 
 
 def test_numeric_keys_are_listed_in_numeric_order(tmp_path):
     """The legend read "bucketing=1, 16, 2, 4, 8" (text order) while the colours went by value."""
     runs = [{"bucketing": k, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for k in (16, 2, 1, 8)]
     for name, fig in sweep_figures(make_sweep(tmp_path, runs)).items():
-        (legend,) = fig.legends
-        assert [t.get_text() for t in legend.get_texts()] == [f"bucketing={k}" for k in (1, 2, 8, 16)], name
+        (legend,) = legends(fig)
+        assert [t.get_text() for t in legend.get_texts()] == ["1 bucket", "2 buckets", "8 buckets", "16 buckets"], name
         if name in ("accuracy_vs_epoch.png", "consensus_vs_epoch.png", "loss_vs_time.png"):  # curves
             colours = {line.get_label(): line.get_color() for ax in visible_axes(fig) for line in ax.get_lines()}
-            assert colours == {"bucketing=1": "C0", "bucketing=2": "C1", "bucketing=8": "C2",
-                               "bucketing=16": "C3"}, name
+            assert colours == {"1 bucket": "C0", "2 buckets": "C1", "8 buckets": "C2", "16 buckets": "C3"}, name
 
 
 def test_whole_epochs_get_integer_ticks_in_sweeps(tmp_path):
@@ -209,16 +227,16 @@ def test_loss_vs_time_puts_each_evaluation_at_its_training_seconds(tmp_path):
     fig = sweep_figures(make_sweep(tmp_path, runs))["loss_vs_time.png"]
     (ax,) = visible_axes(fig)
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert sorted(lines) == ["bucketing=1", "bucketing=8"]
-    np.testing.assert_allclose(lines["bucketing=1"].get_xdata(), [0.0, 3.0, 6.0])
-    np.testing.assert_allclose(lines["bucketing=1"].get_ydata(), [2.0, 1.0, 2.0 / 3])
-    np.testing.assert_allclose(lines["bucketing=8"].get_xdata(), [0.0, 1.5, 3.0])  # mean of 1 s and 2 s per epoch
-    np.testing.assert_allclose(lines["bucketing=8"].get_ydata(), [2.0, 1.0, 2.0 / 3])  # mean of 2.4 and 1.6
+    assert sorted(lines) == ["1 bucket", "8 buckets"]
+    np.testing.assert_allclose(lines["1 bucket"].get_xdata(), [0.0, 3.0, 6.0])
+    np.testing.assert_allclose(lines["1 bucket"].get_ydata(), [2.0, 1.0, 2.0 / 3])
+    np.testing.assert_allclose(lines["8 buckets"].get_xdata(), [0.0, 1.5, 3.0])  # mean of 1 s and 2 s per epoch
+    np.testing.assert_allclose(lines["8 buckets"].get_ydata(), [2.0, 1.0, 2.0 / 3])  # mean of 2.4 and 1.6
     (band,) = ax.collections
     lo, hi = band.get_paths()[0].vertices[:, 1].min(), band.get_paths()[0].vertices[:, 1].max()
     assert (lo, hi) == pytest.approx((1.6 / 3, 2.4))
-    assert ax.get_xlabel().startswith("training seconds") and ax.get_ylabel() == "test loss"
-    assert title(fig).startswith("test loss vs training seconds (mean over 1–2 seeds")
+    assert ax.get_xlabel().startswith("training seconds") and ax.get_ylabel() == "test loss (agents' mean)"
+    assert title(fig).startswith("test loss vs training seconds\n(mean over 1–2 seeds")
 
 
 def test_plot_sweep_keeps_its_file_list_api(tmp_path):
@@ -248,19 +266,19 @@ def test_accuracy_vs_sim_time_draws_every_run_at_its_simulated_seconds(tmp_path)
     seconds, a band over the seeds; the target's level in the agents' panels."""
     fig = sweep_figures(network_sweep(tmp_path, target=0.8))["accuracy_vs_sim_time.png"]
     axes = {ax.get_title(): ax for ax in visible_axes(fig)}
-    assert sorted(axes) == sorted(f"network={n}\n{m}" for n in ("datacenter", "edge")
+    assert sorted(axes) == sorted(f"{n} network\n{m}" for n in ("datacenter", "edge")
                                   for m in ("agents' own models (mean)", "average model x̄"))
     for title_, ax in axes.items():
         lines = {line.get_label(): line for line in ax.get_lines()}
         scale = 0.01 if "datacenter" in title_ else 1.0
         for topo, unit, acc in (("complete", 4.0, 0.9), ("ring", 1.0, 0.75)):  # no run's points missing
-            line = lines[f"topology={topo}"]
+            line = lines[topo]
             np.testing.assert_allclose(line.get_xdata(), unit * scale * 1.05 * np.arange(1, 4))  # seeds' mean
             np.testing.assert_allclose(line.get_ydata(), acc * np.arange(1, 4) / 3)
         assert ("target accuracy 0.8" in lines) == ("agents" in title_)
         assert len(ax.collections) == 2  # a band per topology: two seeds
         assert ax.get_xlabel() == "simulated seconds" and ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0
-    assert title(fig) == "test accuracy vs simulated seconds (mean over 2 seeds, band: min–max)"
+    assert title(fig) == "test accuracy vs simulated seconds\n(mean over 2 seeds, band: min–max)"
 
 
 def test_time_to_target_shows_runs_that_never_reached_it(tmp_path):
@@ -272,7 +290,7 @@ def test_time_to_target_shows_runs_that_never_reached_it(tmp_path):
         named = [t.get_text() for t in ax.get_yticklabels() if t.get_visible()] if ax.yaxis.get_tick_params().get(
             "labelleft", True) else []
         # the rows, named once on the left of each line of panels
-        assert named == (["topology=complete", "topology=ring"] if ax.get_subplotspec().colspan.start == 0 else [])
+        assert named == (["complete", "ring"] if ax.get_subplotspec().colspan.start == 0 else [])
         (point,) = ax.containers
         scale = 0.01 if "datacenter" in ax.get_title() else 1.0
         x, y = point.lines[0].get_xdata()[0], point.lines[0].get_ydata()[0]
@@ -296,7 +314,7 @@ def test_time_to_target_counts_a_seed_that_missed_beside_one_that_reached(tmp_pa
              "target": 0.85}]
     (ax,) = visible_axes(sweep_figures(make_sweep(tmp_path, runs))["time_to_target.png"])
     reached = {c.get_label(): c.lines[0].get_xdata()[0] for c in ax.containers}
-    assert reached == {"topology=ring": pytest.approx(6.0), "topology=torus": pytest.approx(9.0)}
+    assert reached == {"ring": pytest.approx(6.0), "torus": pytest.approx(9.0)}
     assert [t.get_text() for t in ax.texts] == ["1 of 2 seeds"]
 
 
@@ -337,7 +355,7 @@ def real_run(tmp_path_factory):
 def test_run_figure_names_the_run_and_uses_integer_epochs(real_run):
     fig = run_figure(real_run)
     text = title(fig)
-    for part in ("cdsgd", "ring", "n=4", "digits", "logreg", "seed 0"):
+    for part in ("CDSGD", "ring", "n=4", "digits", "logreg", "seed 0"):
         assert part in text, text
     axes = visible_axes(fig)
     assert len(axes) == 3  # accuracy, loss, consensus distance
@@ -376,7 +394,7 @@ def test_run_figure_adds_accuracy_against_simulated_seconds(tmp_path):
          "dataset": "digits", "partition": "iid", "model": "mlp", "seed": 0, "target_accuracy": 0.8}))
     fig = run_figure(tmp_path)
     axes = visible_axes(fig)
-    assert len(axes) == 4 and fig.get_figwidth() == fig.get_figheight() / 4.4 * 5.2  # 2 x 2
+    assert len(axes) == 4 and fig.get_figwidth() == fig.get_figheight() / 2.5 * 3.3  # 2 x 2 panels of 3.3 x 2.5 in
     timed = next(ax for ax in axes if ax.get_xlabel() == "simulated seconds")
     lines = {line.get_label(): line for line in timed.get_lines()}
     for label, per_epoch in (("agents' own models (mean)", 0.3), ("average model x̄", 0.31)):
@@ -493,5 +511,177 @@ def test_a_key_that_follows_from_the_series_does_not_split_the_panels(tmp_path):
     axes = visible_axes(fig)
     assert len(axes) == 4  # 2 topologies × (agents, average model), not × 2 algorithms
     labels = finals(axes[0])
-    assert any("compression=none" in k and "algorithm=cdmsgd" in k for k in labels), labels
+    assert any("no compression" in k and "CDMSGD" in k for k in labels), labels
     assert len(labels) == 4
+
+
+# ------------------------------------------------------------------------------ figures for a paper (issue 29)
+
+MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "pdf": b"%PDF-", "svg": b"<?xml"}
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk."""
+    head = open(path, "rb").read(24)
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_every_format_is_written_at_the_dpi_asked(tmp_path):
+    runs = [{"topology": t, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for t in ("ring", "star")]
+    folder = make_sweep(tmp_path / "s", runs)
+    files = plot_sweep(folder, tmp_path / "f", formats=("png", "pdf", "svg"), dpi=200)
+    names = list(sweep_figures(folder))
+    assert sorted(files) == sorted(str(tmp_path / "f" / n.replace(".png", f".{x}")) for n in names for x in MAGIC)
+    for f in files:
+        head = open(f, "rb").read(200)
+        assert head.startswith(MAGIC[f.rsplit(".", 1)[1]]) and (not f.endswith(".svg") or b"<svg" in head), f
+    sizes = {n: fig.get_size_inches() for n, fig in sweep_figures(folder).items()}
+    for name, (w, h) in sizes.items():
+        pw, ph = png_size(tmp_path / "f" / name)
+        assert abs(pw - w * 200) <= 1 and abs(ph - h * 200) <= 1, (name, pw, ph, w, h)
+    (run,) = plot_run(folder / "topology=ring,seed=0", tmp_path / "r", formats=("pdf",), dpi=72)
+    assert run.endswith("curves.pdf") and open(run, "rb").read(5) == b"%PDF-"
+
+
+def test_cli_plot_takes_formats_and_dpi_and_names_a_bad_one(tmp_path, capsys):
+    runs = [{"topology": t, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5} for t in ("ring", "star")]
+    folder = make_sweep(tmp_path / "s", runs)
+    assert cli.main(["plot", str(folder), "--format", "pdf,svg", "--dpi", "72", "--out", str(tmp_path / "o")]) == 0
+    written = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert "accuracy_vs_epoch.pdf" in written and "accuracy_vs_epoch.svg" in written and "table.md" in written
+    assert not [n for n in written if n.endswith(".png")], written
+    assert cli.main(["plot", str(folder), "--format", "png", "--dpi", "50", "--out", str(tmp_path / "p")]) == 0
+    fig = sweep_figures(folder)["consensus_vs_epoch.png"]
+    assert png_size(tmp_path / "p" / "consensus_vs_epoch.png")[0] == pytest.approx(fig.get_figwidth() * 50, abs=1)
+    capsys.readouterr()
+    for bad, named in ((["--format", "png,jpg"], "'jpg'"), (["--dpi", "0"], "--dpi")):
+        assert cli.main(["plot", str(folder), "--out", str(tmp_path / "bad"), *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and named in err, err
+        assert bad[0] != "--format" or "png, pdf, svg" in err, err
+        assert not (tmp_path / "bad").exists()
+
+
+def test_legends_read_as_words_in_the_literatures_names(tmp_path):
+    runs = [{"topology": t, "algorithm": a, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5}
+            for t in ("ring", "complete", "torus") for a in ("cdmsgd", "qg_dsgdm")]
+    for name, fig in sweep_figures(make_sweep(tmp_path, runs)).items():
+        (legend,) = legends(fig)
+        assert [t.get_text() for t in legend.get_texts()] == [
+            f"{t}, {a}" for t in ("complete", "ring", "torus") for a in ("CDMSGD", "QG-DSGDm")], name
+
+
+def diverging_sweep(root):
+    """CDMSGD completes on both graphs; CDSGD diverges on the complete graph (both seeds) and on one seed of
+    the ring; DSGT's run on the ring failed before its first evaluation (no metrics.csv)."""
+    runs = [{"topology": t, "algorithm": "cdmsgd", "seed": s, "acc": 0.8, "avg": 0.8, "bytes": 1e5}
+            for t in ("ring", "complete") for s in (0, 1)]
+    runs += [{"topology": "complete", "algorithm": "cdsgd", "seed": s, "acc": 0.1, "avg": 0.1, "bytes": 2e4,
+              "status": "diverged"} for s in (0, 1)]
+    runs += [{"topology": "ring", "algorithm": "cdsgd", "seed": 0, "acc": 0.1, "avg": 0.1, "bytes": 2e4,
+              "status": "diverged"},
+             {"topology": "ring", "algorithm": "cdsgd", "seed": 1, "acc": 0.7, "avg": 0.7, "bytes": 1e5}]
+    runs += [{"topology": "ring", "algorithm": "dsgt", "seed": 0, "acc": 0.0, "avg": 0.0, "bytes": 0.0,
+              "status": "failed"}]
+    return make_sweep(root, runs)
+
+
+def test_diverged_and_failed_runs_stay_in_every_figure(tmp_path):
+    folder = diverging_sweep(tmp_path)
+    for name, fig in sweep_figures(folder).items():
+        (legend,) = legends(fig)
+        texts = [t.get_text() for t in legend.get_texts()]
+        for wanted in ("CDSGD, complete (diverged)", "CDSGD, ring (1 of 2 diverged)", "DSGT, ring (failed)"):
+            assert wanted in texts, (name, texts)
+        ends = [line for ax in visible_axes(fig) for line in ax.get_lines() if line.get_marker() == "X"]
+        drawn = [line for line in ends if len(line.get_xdata())]
+        assert len(drawn) >= 3, name  # the 3 diverged runs, in each panel
+        if name.endswith("epoch.png"):  # where they stopped: epoch 0.8
+            assert all(float(line.get_xdata()[-1]) == pytest.approx(0.8) for line in drawn), name
+
+
+def test_table_lists_runs_that_did_not_complete(tmp_path):
+    from cdsgd.run.sweep import group_table
+
+    lines = group_table(diverging_sweep(tmp_path)).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    got = {(r["algorithm"], r["topology"], r["status"], r["seeds"]) for r in rows}
+    assert got == {("cdmsgd", "complete", "completed", "2"), ("cdmsgd", "ring", "completed", "2"),
+                   ("cdsgd", "complete", "**diverged** at epoch 0.8", "2"),
+                   ("cdsgd", "ring", "completed", "1"), ("cdsgd", "ring", "**diverged** at epoch 0.8", "1"),
+                   ("dsgt", "ring", "**failed** at epoch 0.8", "1")}
+    diverged = next(r for r in rows if r["topology"] == "complete" and r["algorithm"] == "cdsgd")
+    assert diverged["test acc (agents)"] == "—"  # a stopped run's accuracy is not a final one
+    ring = next(r for r in rows if r["status"] == "completed" and r["algorithm"] == "cdsgd")
+    assert ring["test acc (agents)"] == "0.700"
+
+
+def _covered(fig) -> float:
+    """The fraction of the figure's width under a panel (with its labels) or the legend."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    xs = np.zeros(int(fig.bbox.width) + 1, bool)
+    for b in [ax.get_tightbbox(r) for ax in visible_axes(fig)] + [lg.get_window_extent(r) for lg in legends(fig)]:
+        xs[max(0, int(b.x0)):int(b.x1) + 1] = True
+    return xs.mean()
+
+
+def test_legends_sit_inside_or_tight_beside_the_panels(tmp_path):
+    from cdsgd.report.style import PANEL
+
+    few = [{"topology": t, "seed": 0, "acc": 0.8, "avg": "", "bytes": 1e5} for t in ("ring", "star")]
+    fig = sweep_figures(make_sweep(tmp_path / "few", few))["consensus_vs_epoch.png"]
+    (ax,) = visible_axes(fig)
+    fig.canvas.draw()
+    assert not fig.legends and ax.get_legend() is not None  # inside the lone panel
+    inner, box = ax.get_window_extent(), ax.get_legend().get_window_extent()
+    assert inner.x0 <= box.x0 and box.x1 <= inner.x1 and inner.y0 <= box.y0 and box.y1 <= inner.y1
+    many = [{"topology": t, "algorithm": a, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5}
+            for t in ("ring", "complete", "torus") for a in ("cdmsgd", "dsgt", "qg_dsgdm")]
+    for name, fig in sweep_figures(make_sweep(tmp_path / "many", many)).items():
+        (legend,) = legends(fig)
+        fig.canvas.draw()
+        box, whole = legend.get_window_extent(), fig.bbox
+        assert whole.x0 - 1 <= box.x0 and box.x1 <= whole.x1 + 1 and whole.y0 - 1 <= box.y0, name
+        assert _covered(fig) > 0.9, name  # before: legends beside a box of blank, ~35 % of the width unused
+        below = box.y1 <= min(ax.get_window_extent().y0 for ax in visible_axes(fig))
+        assert (box.height / whole.height if below else box.width / whole.width) < 0.5, name  # panels keep the rest
+        grown = fig.get_figheight() - box.height / fig.dpi if below else fig.get_figwidth() - box.width / fig.dpi
+        assert grown >= (PANEL[1] if below else PANEL[0]), name  # the figure grew by the legend: panels kept their size
+
+
+def test_series_at_the_same_x_have_their_own_marker_and_place(tmp_path):
+    """DSGT's marker disappeared under QG-DSGDm's at the same spectral gap: each series has a marker shape of
+    its own and points at one x are set a few points apart."""
+    runs = [{"topology": "ring", "algorithm": a, "seed": 0, "acc": acc, "avg": acc, "bytes": 1e5}
+            for a, acc in (("cdmsgd", 0.80), ("dsgt", 0.81), ("qg_dsgdm", 0.81))]
+    fig = sweep_figures(make_sweep(tmp_path, runs))["accuracy_vs_spectral_gap.png"]
+    ax = visible_axes(fig)[0]
+    fig.canvas.draw()
+    points = {c.get_label(): c.lines[0] for c in ax.containers}
+    assert len({line.get_marker() for line in points.values()}) == 3, points
+    xs = sorted(line.get_transform().transform(np.column_stack([line.get_xdata(), line.get_ydata()]))[0, 0]
+                for line in points.values())
+    apart = 3.0 * fig.dpi / 72  # 3 points, in pixels
+    assert np.diff(xs) == pytest.approx([apart, apart], rel=1e-6)
+    curves = visible_axes(sweep_figures(make_sweep(tmp_path / "c", runs))["accuracy_vs_epoch.png"])[0]
+    assert len({line.get_marker() for line in curves.get_lines()}) == 3
+
+
+def test_average_models_test_loss_beside_the_agents(tmp_path):
+    runs = [{"topology": t, "seed": 0, "acc": 0.8, "avg": 0.7, "bytes": 1e5, "loss": 1.2, "avg_loss": al}
+            for t, al in (("ring", 0.9), ("star", 0.6))]
+    fig = sweep_figures(make_sweep(tmp_path / "with", runs))["loss_vs_time.png"]
+    agents, average = visible_axes(fig)
+    assert "agents" in agents.get_title() and "average model" in average.get_title()
+    assert finals(average) == {"ring": pytest.approx(0.3), "star": pytest.approx(0.2)}
+    assert finals(agents) == {"ring": pytest.approx(0.4), "star": pytest.approx(0.4)}
+    without = [{k: v for k, v in r.items() if k != "avg_loss"} for r in runs]
+    (ax,) = visible_axes(sweep_figures(make_sweep(tmp_path / "without", without))["loss_vs_time.png"])
+    assert ax.get_ylabel() == "test loss (agents' mean)"
+    fig = run_figure(tmp_path / "with" / "topology=ring,seed=0")
+    loss = next(ax for ax in visible_axes(fig) if ax.get_ylabel() == "loss")
+    lines = {line.get_label(): line.get_ydata()[-1] for line in loss.get_lines()}
+    assert lines["test (average model x̄)"] == pytest.approx(0.3) and lines["test (agents' own models, mean)"] == \
+        pytest.approx(0.4)

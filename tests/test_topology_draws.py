@@ -138,7 +138,7 @@ def test_periodic_ring_is_warned_of_in_the_plan_and_the_run(tmp_path):
 @pytest.mark.parametrize("n", [4, 5, 6, 8])
 @pytest.mark.parametrize("rule", ["metropolis", "lazy_metropolis", "max_degree"])
 def test_rings_with_self_weights_are_not_warned_of(n, rule):
-    plan = validate_config(load_config(overrides=[f"topology=ring", f"n_agents={n}", f"mixing={rule}"]))
+    plan = validate_config(load_config(overrides=["topology=ring", f"n_agents={n}", f"mixing={rule}"]))
     assert plan.notes == [] and eigen_gap(plan.W) > 0.05
 
 

@@ -39,6 +39,7 @@ METRIC_COLUMNS = (
     "bytes_sent_per_agent",
     "wall_seconds",
     "sim_seconds",
+    "test_loss_avg_model",  # added after the contract's first ten columns, so their places stay
 )
 
 
@@ -149,10 +150,10 @@ def evaluate(ex) -> dict:
     t0 = time.perf_counter()
     L = len(ex.agents)
     # columns: train-loss sum, train-loss count, ‖x_j − x̄‖², bytes sent, bytes across processes
-    # (on the process's first agent), test loss, test accuracy, average-model accuracy (on agent 0),
+    # (on the process's first agent), test loss, test accuracy, average-model accuracy and loss (on agent 0),
     # then (not summed) the first non-finite step of each agent and whether its parameters were so
-    per = torch.zeros(L, 10, dtype=torch.float64)
-    per[:, 8:] = ex._nonfinite
+    per = torch.zeros(L, 11, dtype=torch.float64)
+    per[:, 9:] = ex._nonfinite
     per[:, 0], per[:, 1] = ex._loss_sums, ex._loss_counts
     ex._loss_sums.zero_()
     ex._loss_counts.zero_()
@@ -169,16 +170,17 @@ def evaluate(ex) -> dict:
             per[held, 5], per[held, 6] = torch.as_tensor(loss), torch.as_tensor(acc)
             if 0 in ex.agents:  # one process evaluates x̄; the sum hands its accuracy to every process
                 i0 = ex.agents.index(0)
-                per[i0, 7] = float(eval_params(ex, xbar.unsqueeze(0), [i0])[1][0])
+                avg_loss, avg_acc = eval_params(ex, xbar.unsqueeze(0), [i0])
+                per[i0, 7], per[i0, 8] = float(avg_acc[0]), float(avg_loss[0])
         finally:
             for m in ex.models:
                 m.train()
     every = ex.reducer.agent_values(per)
-    loss_sum, loss_count, dist2, sent, across, t_loss, t_acc, acc_avg = (
-        math.fsum(col) for col in every[:, :8].t().tolist())
-    if ex.diverged is None and bool(every[:, 8].any()):  # the first step, then the lowest agent
-        step, agent = min((int(s), j) for j, s in enumerate(every[:, 8].tolist()) if s)
-        ex.diverged = (step, agent, "parameters" if every[agent, 9] else "training loss")
+    loss_sum, loss_count, dist2, sent, across, t_loss, t_acc, acc_avg, loss_avg = (
+        math.fsum(col) for col in every[:, :9].t().tolist())
+    if ex.diverged is None and bool(every[:, 9].any()):  # the first step, then the lowest agent
+        step, agent = min((int(s), j) for j, s in enumerate(every[:, 9].tolist()) if s)
+        ex.diverged = (step, agent, "parameters" if every[agent, 10] else "training loss")
     ex.bytes_across_processes = across
     row = {
         "epoch": ex.k / ex.steps_per_epoch,
@@ -192,9 +194,11 @@ def evaluate(ex) -> dict:
         "wall_seconds": ex._wall,
         # the simulated network's clock (cdsgd.executor.timing): one more sum over processes when there is one
         "sim_seconds": math.nan if ex.clock is None else ex.clock.flush(ex.reducer),
+        "test_loss_avg_model": float("nan"),
     }
     if ex.test_set is not None:
         count = len(ex.eval_agents)
-        row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg)
+        row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg,
+                   test_loss_avg_model=loss_avg)
     ex.eval_seconds += time.perf_counter() - t0
     return row

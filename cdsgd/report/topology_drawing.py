@@ -22,20 +22,22 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path, what: str = "figure") -> str:
-    """Write ``fig`` to ``path`` (its folder created) and close it; errors name the file asked for."""
+def save_figure(fig, path, what: str = "figure", dpi: float = 100, close: bool = True) -> str:
+    """Write ``fig`` to ``path`` (its folder created; ``dpi`` for pixel formats) and close it (unless
+    ``close`` is false: more formats to come); errors name the file asked for."""
     plt = pyplot()
     try:
         directory = os.path.dirname(os.fspath(path))
         if directory:
             os.makedirs(directory, exist_ok=True)
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=dpi)
     except OSError as e:  # name the file we were asked to write, not an inner folder
         raise OSError(f"cannot write the {what} {os.fspath(path)!r}: {e.strerror or e}") from None
     except ValueError as e:  # matplotlib: an unknown image format
         raise ValueError(f"cannot write the {what} {os.fspath(path)!r}: {e}") from None
     finally:
-        plt.close(fig)
+        if close:
+            plt.close(fig)
     return os.fspath(path)
 
 

@@ -62,8 +62,8 @@ __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "gro
 #: where it has none: ``simulated_seconds`` without a network, the ``*_target`` ones without a
 #: ``target_accuracy`` or, but ``target_accuracy``, when the run never reached it), then its status and folder
 RESULT_COLUMNS = ["seed", "spectral_gap", "effective_neighbours", "topology_draw", "epoch", "step", "train_loss",
-                  "test_loss", "test_accuracy", "test_accuracy_avg_model", "consensus_distance", "bytes_sent_per_agent",
-                  "best_test_accuracy", "wall_seconds", "simulated_seconds", "target_accuracy", "steps_to_target",
+                  "test_loss", "test_accuracy", "test_accuracy_avg_model", "test_loss_avg_model", "consensus_distance",
+                  "bytes_sent_per_agent", "best_test_accuracy", "wall_seconds", "simulated_seconds", "target_accuracy", "steps_to_target",
                   "sim_seconds_to_target", "status", "run"]
 
 
