@@ -18,26 +18,10 @@ from cdsgd import cli
 from cdsgd.config import load_config
 from cdsgd.run.preflight import missing_requirements, rerun_report, stop_hint
 from cdsgd.run.sweep import load_sweep
+from test_sweep import TINY, write  # one tiny sweep base for both files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOPOLOGY = ROOT / "experiments" / "ablations" / "topology.toml"
-
-TINY = """
-[base]
-dataset = "digits"
-model = "logreg"
-n_agents = 4
-epochs = 1
-batch_size = 32
-lr = 0.1
-"""
-
-
-def write(tmp_path, text, name="s.toml"):
-    p = tmp_path / name
-    p.write_text(text)
-    return p
-
 
 def lines(text):
     return [line for line in text.splitlines() if line.strip()]
