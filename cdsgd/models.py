@@ -427,11 +427,13 @@ def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool
 
 
 @MODELS.register("pgru")
-def pgru(input_shape, n_classes, hidden: int = 64, mode: str = "mgrit", cf: int = 4, levels: int = 2, iters: int = 2,
-         fcf: bool = True, trim: bool = True):
+def pgru(input_shape, n_classes, hidden: int = 64, mode: str = "mgrit", cf: int = 8, levels: int = 2, iters: int = 4,
+         fcf: bool = True, rtol: float | None = 1e-3, fallback: bool = True, coarse: str = "frozen",
+         trim: bool = True):
     """The implicit GRU of Moon & Cyr (cdsgd.mgrit.ParallelGRU): ``mode`` "serial" or "mgrit" (docs/parallel-in-time.md)."""
     return SequenceClassifier("pgru", input_shape, n_classes, hidden=hidden, trim=trim,
-                              mgrit={"mode": mode, "cf": cf, "levels": levels, "iters": iters, "fcf": fcf})
+                              mgrit={"mode": mode, "cf": cf, "levels": levels, "iters": iters, "fcf": fcf,
+                                     "rtol": rtol, "fallback": fallback, "coarse": coarse})
 
 
 @MODELS.register("gru")

@@ -40,7 +40,25 @@ METRIC_COLUMNS = (
     "wall_seconds",
     "sim_seconds",
     "test_loss_avg_model",  # added after the contract's first ten columns, so their places stay
+    "mgrit_iters",          # MGRIT's training solves since the previous row (nan without a pgru model in mgrit mode)
+    "mgrit_residual",
+    "mgrit_fallbacks",
+    "mgrit_solves",
 )
+
+#: per-agent columns of the MGRIT solve counts (see :func:`_mgrit_counts`), after the 11 of :func:`evaluate`
+_MGRIT_KEYS = ("solves", "mgrit_solves", "iters", "fallbacks", "residual")
+
+
+def _mgrit_counts(model) -> list[float]:
+    """The counts of :meth:`cdsgd.mgrit.ParallelGRU.take_solve_stats` over the model's MGRIT layers, taken."""
+    out = [0.0] * len(_MGRIT_KEYS)
+    for m in model.modules():
+        take = getattr(m, "take_solve_stats", None)
+        if take is not None:
+            c = take()
+            out = [max(a, c[k]) if k == "residual" else a + c[k] for a, k in zip(out, _MGRIT_KEYS)]
+    return out
 
 
 def pick_agents(n: int, k: int | None) -> list[int]:
@@ -138,6 +156,17 @@ def eval_params(ex, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarr
     return loss_sum / n, correct / n
 
 
+def _mgrit_row(counts: torch.Tensor) -> dict:
+    """``mgrit_iters`` (mean V-cycles of an MGRIT solve), ``mgrit_residual`` (largest relative residual of the
+    states and adjoints used; 0 for serial ones), ``mgrit_fallbacks`` (solves done by the serial loop) and
+    ``mgrit_solves`` (forward and adjoint solves), over all agents since the previous row; nan without any."""
+    solves, mgrit_solves, iters, fallbacks = (math.fsum(col) for col in counts[:, :4].t().tolist())
+    if not solves:
+        return dict.fromkeys(("mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves"), float("nan"))
+    return {"mgrit_iters": iters / mgrit_solves if mgrit_solves else 0.0, "mgrit_residual": float(counts[:, 4].max()),
+            "mgrit_fallbacks": fallbacks, "mgrit_solves": solves}
+
+
 def evaluate(ex) -> dict:
     """A metrics row for the executor's current state; resets its train-loss window.
 
@@ -152,8 +181,11 @@ def evaluate(ex) -> dict:
     # columns: train-loss sum, train-loss count, ‖x_j − x̄‖², bytes sent, bytes across processes
     # (on the process's first agent), test loss, test accuracy, average-model accuracy and loss (on agent 0),
     # then (not summed) the first non-finite step of each agent and whether its parameters were so
-    per = torch.zeros(L, 11, dtype=torch.float64)
-    per[:, 9:] = ex._nonfinite
+    # then the MGRIT solve counts (_MGRIT_KEYS: summed, the residual's maximum taken)
+    per = torch.zeros(L, 11 + len(_MGRIT_KEYS), dtype=torch.float64)
+    per[:, 9:11] = ex._nonfinite
+    if len(ex.models) == L:
+        per[:, 11:] = torch.tensor([_mgrit_counts(m) for m in ex.models], dtype=torch.float64)
     per[:, 0], per[:, 1] = ex._loss_sums, ex._loss_counts
     ex._loss_sums.zero_()
     ex._loss_counts.zero_()
@@ -195,6 +227,7 @@ def evaluate(ex) -> dict:
         # the simulated network's clock (cdsgd.executor.timing): one more sum over processes when there is one
         "sim_seconds": math.nan if ex.clock is None else ex.clock.flush(ex.reducer),
         "test_loss_avg_model": float("nan"),
+        **_mgrit_row(every[:, 11:]),
     }
     if ex.test_set is not None:
         count = len(ex.eval_agents)

@@ -86,16 +86,20 @@ serial loop), :mod:`~cdsgd.mgrit.solver` (MGRIT forward and adjoint solves),
 
 from __future__ import annotations
 
-from .cell import ImplicitGRUCell, classic_gru_step, implicit_gru_step, serial_forward
+from .cell import COARSE_STEPS, ImplicitGRUCell, classic_gru_step, implicit_gru_step, serial_forward
 from .distributed import gather_states, mgrit_gru_distributed, time_block
 from .layer import ParallelGRU, mgrit_gru
+from .monitor import SolveLog, gradient_error
 from .solver import mgrit_backward, mgrit_forward
 
 __all__ = [
+    "COARSE_STEPS",
     "ImplicitGRUCell",
     "ParallelGRU",
+    "SolveLog",
     "classic_gru_step",
     "gather_states",
+    "gradient_error",
     "implicit_gru_step",
     "mgrit_backward",
     "mgrit_forward",

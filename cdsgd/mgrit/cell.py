@@ -18,22 +18,44 @@ from torch import nn
 
 from ..base.checks import check_int
 
-__all__ = ["ImplicitGRUCell", "classic_gru_step", "implicit_gru_step", "serial_forward"]
+__all__ = ["COARSE_STEPS", "ImplicitGRUCell", "classic_gru_step", "implicit_gru_step", "serial_forward"]
+
+
+#: the coarse steps Φ_m of MGRIT's coarse grids (m = c^l fine steps): see :func:`implicit_gru_step`
+COARSE_STEPS = ("euler", "frozen")
+
+
+def _damping(z: torch.Tensor, dt: float, coarse: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q(z) with Φ = n + (h − n)·q, and dq/dz: 1/(1 + Δt z) (backward Euler) or (1 + z)^(−Δt) (frozen)."""
+    if coarse == "euler" or dt == 1.0:
+        q = 1 / (1 + dt * z)
+        return q, -dt * q * q
+    q = (1 + z) ** (-dt)
+    return q, -dt * q / (1 + z)
 
 
 def implicit_gru_step(h: torch.Tensor, xp: torch.Tensor, weight_hh: torch.Tensor, bias_hh: torch.Tensor,
-                      dt: float = 1.0) -> torch.Tensor:
+                      dt: float = 1.0, coarse: str = "euler") -> torch.Tensor:
     """Φ_Δt(h, x): one implicit GRU step from the projected input ``xp = W x + b`` (…, 3H).
 
     ``h`` may carry any leading dimensions (intervals × batch): the step is
-    batched over all of them.
+    batched over all of them. Written as h⁺ = n + (h − n)·q, the fine step
+    (Δt = 1) has q = 1/(1 + z). A step of Δt = m > 1 stands for m fine steps:
+    ``coarse="euler"`` is backward Euler with step m, q = 1/(1 + m z) (the
+    paper's coarse step); ``coarse="frozen"`` is m fine steps with the gates
+    z, n held at their values at (h, x), q = (1 + z)^(−m): exact when the
+    gates do not change over the interval, and as forgetful as the fine
+    steps (1/(1 + m z) forgets far more slowly than (1 + z)^(−m)).
     """
     gr, gz, gn = F.linear(h, weight_hh, bias_hh).chunk(3, -1)
     xr, xz, xn = xp.chunk(3, -1)
     r = torch.sigmoid(xr + gr)
-    dz = dt * torch.sigmoid(xz + gz)
+    z = torch.sigmoid(xz + gz)
     n = torch.tanh(xn + r * gn)
-    return (h + dz * n) / (1 + dz)
+    if coarse == "euler" or dt == 1.0:
+        dz = dt * z
+        return (h + dz * n) / (1 + dz)
+    return n + (h - n) * _damping(z, dt, coarse)[0]
 
 
 class ImplicitGRUCell(nn.Module):

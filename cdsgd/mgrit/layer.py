@@ -12,18 +12,23 @@ import torch
 from torch import nn
 
 from .cell import ImplicitGRUCell, _check_x_h0, serial_forward
+from .monitor import SolveLog
 from .solver import _adjoint_solve, _check_length, _check_options, _forward_solve, _gradients
 
 __all__ = ["ParallelGRU", "mgrit_gru"]
 
 
 class _MGRITGRU(torch.autograd.Function):
-    """Forward: MGRIT state solve. Backward: MGRIT adjoint solve + batched parameter/input gradients."""
+    """Forward: MGRIT state solve. Backward: MGRIT adjoint solve + batched parameter/input gradients.
+
+    ``stats["serial"]`` (a set of "forward"/"backward") asks for the serial
+    solve instead; ``stats["on_solve"](direction, info)``, if given, hears of each solve.
+    """
 
     @staticmethod
     def forward(ctx, x, h0, weight_ih, weight_hh, bias_ih, bias_hh, cell, opts, stats):
-        u, norms = _forward_solve(cell, x, h0, *opts)
-        stats["forward"] = norms
+        u, info = _forward_solve(cell, x, h0, *opts, serial="forward" in stats.get("serial", ()))
+        _report(stats, "forward", info)
         ctx.save_for_backward(x, u)
         ctx.cell, ctx.opts, ctx.stats = cell, opts, stats
         return u[1:].transpose(0, 1)
@@ -32,25 +37,37 @@ class _MGRITGRU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, gH):
         x, u = ctx.saved_tensors
-        lam, lin, norms = _adjoint_solve(ctx.cell, x, u, gH.transpose(0, 1).to(x.dtype), *ctx.opts)
-        ctx.stats["backward"] = norms
+        lam, lin, info = _adjoint_solve(ctx.cell, x, u, gH.transpose(0, 1).to(x.dtype), *ctx.opts,
+                                        serial="backward" in ctx.stats.get("serial", ()))
+        _report(ctx.stats, "backward", info)
         g = _gradients(ctx.cell, x, u, lam, lin)
         return (*g, None, None, None)
 
 
+def _report(stats: dict, direction: str, info: dict) -> None:
+    stats[direction] = info["norms"]
+    stats[direction + "_info"] = {k: v for k, v in info.items() if k != "norms"}
+    if "on_solve" in stats:
+        stats["on_solve"](direction, info)
+
+
 def mgrit_gru(cell: ImplicitGRUCell, x: torch.Tensor, h0: torch.Tensor | None = None, *, cf: int = 4,
               levels: int = 2, iters: int = 2, tol: float | None = None, fcf: bool = True,
+              rtol: float | None = None, fallback: bool = False, coarse: str = "euler",
               stats: dict | None = None) -> torch.Tensor:
     """States (B, T, H) by MGRIT, differentiable: backward runs the MGRIT adjoint (same options).
 
-    If ``stats`` is a dict, its ``"forward"`` and (after backward)
-    ``"backward"`` entries receive the residual norms.
+    The options are :func:`~cdsgd.mgrit.mgrit_forward`'s. If ``stats`` is a
+    dict, its ``"forward"`` and (after backward) ``"backward"`` entries
+    receive the residual norms, ``"forward_info"`` and ``"backward_info"``
+    the iterations, relative residual and whether the solve fell back to the
+    serial loop.
     """
     h0 = _check_x_h0(cell, x, h0)
-    _check_options(cf, levels, iters, tol, fcf)
+    _check_options(cf, levels, iters, tol, fcf, rtol, fallback, coarse)
     _check_length(x.shape[1], cf, levels)
     return _MGRITGRU.apply(x, h0, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh, cell,
-                           (cf, levels, iters, tol, fcf), {} if stats is None else stats)
+                           (cf, levels, iters, tol, fcf, rtol, fallback, coarse), {} if stats is None else stats)
 
 
 class ParallelGRU(nn.Module):
@@ -63,13 +80,21 @@ class ParallelGRU(nn.Module):
     classic step, so weights are not interchangeable with ``nn.GRU``.
 
     * ``mode="serial"``: the serial loop, backward by autograd;
-    * ``mode="mgrit"``: ``iters`` MGRIT V-cycles (coarsening ``cf``,
-      ``levels``, FCF or F relaxation, early stop at C-residual ≤ ``tol``),
-      backward by the MGRIT adjoint with the same options.
+    * ``mode="mgrit"``: up to ``iters`` MGRIT V-cycles (coarsening ``cf``,
+      ``levels``, FCF or F relaxation, coarse step ``coarse``), stopping once
+      the C-residual is ≤ ``rtol``·max|h| (or ≤ ``tol``) or stops falling;
+      backward by the MGRIT adjoint with the same options. With
+      ``fallback=True`` (the default) a solve that did not reach its
+      tolerance is replaced by the serial loop, so the states and gradients
+      are within the tolerance or exact; after a fall-back the next solves
+      go straight to the serial loop for a while (the back-off of
+      :class:`~cdsgd.mgrit.monitor.SolveLog`).
 
     Both modes use the one parameter set ``self.cell``; the mode can be
     switched at any time (``model.mode = "serial"``). The last residual norms
-    are in ``self.last_residuals`` (``"forward"``, ``"backward"``).
+    are in ``self.last_residuals`` (``"forward"``, ``"backward"``); the
+    counts of the training solves since they were last taken (iterations,
+    largest relative residual, fall-backs) in :meth:`take_solve_stats`.
 
     **Where it is inexact.** A fixed iteration count gives approximate states,
     and the adjoint, linearised at those states and itself truncated, gives
@@ -91,8 +116,10 @@ class ParallelGRU(nn.Module):
     with T at these weights (the cell forgets, so what an iteration leaves
     wrong stays local); other weights converge at other rates (with the
     update-gate bias c_z set to −2, the T = 1024, cf 4, FCF state errors were
-    1.1e-1 / 1.5e-2 / 2.0e-3). Nothing is adaptive unless ``tol`` is set;
-    ``last_residuals`` shows where a run stopped.
+    1.1e-1 / 1.5e-2 / 2.0e-3). These are fixed-iteration figures
+    (``rtol=None, fallback=False``, ``coarse="euler"``); the defaults iterate to
+    ``rtol`` and fall back when that fails. Trained weights can defeat MGRIT
+    altogether (docs/parallel-in-time.md): then the fall-backs show it.
 
     >>> _ = torch.manual_seed(0); gru = ParallelGRU(2, 8, cf=4, iters=3)
     >>> H, h_n = gru(torch.randn(4, 32, 2)); H.shape, h_n.shape
@@ -104,17 +131,24 @@ class ParallelGRU(nn.Module):
     MODES = ("mgrit", "serial")
 
     def __init__(self, input_size: int, hidden_size: int, *, mode: str = "mgrit", cf: int = 4, levels: int = 2,
-                 iters: int = 2, tol: float | None = None, fcf: bool = True, batch_first: bool = True) -> None:
+                 iters: int = 4, tol: float | None = None, fcf: bool = True, rtol: float | None = 1e-3,
+                 fallback: bool = True, coarse: str = "frozen", batch_first: bool = True) -> None:
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         if not isinstance(batch_first, bool):
             raise ValueError(f"batch_first must be true or false, got {batch_first!r}")
-        _check_options(cf, levels, iters, tol, fcf)
+        _check_options(cf, levels, iters, tol, fcf, rtol, fallback, coarse)
         self.cell = ImplicitGRUCell(input_size, hidden_size)
         self.mode, self.cf, self.levels, self.iters, self.tol, self.fcf = mode, cf, levels, iters, tol, fcf
+        self.rtol, self.fallback, self.coarse = rtol, fallback, coarse
         self.batch_first = batch_first
         self.last_residuals: dict = {}
+        self.solve_log = SolveLog()
+
+    def take_solve_stats(self) -> dict:
+        """Counts of the training solves since the last call (:meth:`SolveLog.take`), then reset."""
+        return self.solve_log.take()
 
     def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None):
         if self.mode not in self.MODES:
@@ -124,13 +158,17 @@ class ParallelGRU(nn.Module):
         if self.mode == "serial":
             H = serial_forward(self.cell, x, h0)
         else:
-            self.last_residuals = {}
+            counted = torch.is_grad_enabled()   # training solves are counted; evaluation's only steer the back-off
+            self.last_residuals = {"serial": self.solve_log.plan(),
+                                   "on_solve": lambda d, info: self.solve_log.record(d, info, counted)}
             H = mgrit_gru(self.cell, x, h0, cf=self.cf, levels=self.levels, iters=self.iters, tol=self.tol,
-                          fcf=self.fcf, stats=self.last_residuals)
+                          fcf=self.fcf, rtol=self.rtol, fallback=self.fallback, coarse=self.coarse,
+                          stats=self.last_residuals)
         h_n = H[:, -1].unsqueeze(0)
         return (H if self.batch_first else H.transpose(0, 1)), h_n
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, cf={self.cf}, levels={self.levels}, iters={self.iters}, tol={self.tol}, "
-                f"fcf={self.fcf}, batch_first={self.batch_first}")
+                f"fcf={self.fcf}, rtol={self.rtol}, fallback={self.fallback}, coarse={self.coarse!r}, "
+                f"batch_first={self.batch_first}")
 

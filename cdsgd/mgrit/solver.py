@@ -18,19 +18,25 @@ import torch
 import torch.nn.functional as F
 
 from ..base.checks import check_int
-from .cell import ImplicitGRUCell, _check_x_h0, implicit_gru_step
+from .cell import COARSE_STEPS, ImplicitGRUCell, _check_x_h0, _damping, implicit_gru_step
 
 __all__ = ["mgrit_backward", "mgrit_forward"]
 
 
-def _check_options(cf, levels, iters, tol, fcf) -> None:
+def _check_options(cf, levels, iters, tol, fcf, rtol=None, fallback=False, coarse="euler") -> None:
     for key, value, low in (("cf", cf, 2), ("levels", levels, 2), ("iters", iters, 0)):
         check_int(key, value, low)
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
-                            or not math.isfinite(tol) or tol <= 0):
-        raise ValueError(f"tol must be None or a positive number, got {tol!r}")
-    if not isinstance(fcf, bool):
-        raise ValueError(f"fcf must be true or false, got {fcf!r}")
+    for key, value in (("tol", tol), ("rtol", rtol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{key} must be None or a positive number, got {value!r}")
+    for key, value in (("fcf", fcf), ("fallback", fallback)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+    if coarse not in COARSE_STEPS:
+        raise ValueError(f"coarse must be one of {COARSE_STEPS}, got {coarse!r}")
+    if fallback and rtol is None and tol is None:
+        raise ValueError("fallback=True needs a tolerance (rtol or tol) to tell a converged solve from one that is not")
 
 
 def _check_length(T: int, cf: int, levels: int) -> None:
@@ -108,21 +114,54 @@ class _Solver:
         """Max-norm of the C-residual (the distributed solver takes the max over ranks)."""
         return r.abs().max().item()
 
-    def solve(self, u, g, iters, tol) -> list[float]:
+    def solve(self, u, g, iters, tol, rtol=None) -> list[float]:
+        """Up to ``iters`` V-cycles; the C-residual max-norms, entry 0 for the initial guess.
+
+        Stops once the residual is ≤ ``tol`` or ≤ ``rtol``·‖u‖∞ (then
+        ``self.converged`` is True) and, with ``rtol``, as soon as an
+        iteration fails to reduce it (the iteration is not contracting: more
+        of them would not help). ``self.relative`` is the last residual over
+        ‖u‖∞ (computed only with ``rtol``).
+        """
         self._f_relax(0, u, g)
         r = self._residual(0, u, g)
         norms = [self._norm(r)]
-        for _ in range(iters):
-            if tol is not None and norms[-1] <= tol:
+        self.converged, self.relative = False, math.nan
+        while True:
+            if rtol is not None:
+                self.relative = norms[-1] / max(self._norm(u[1:]), 1e-30)
+            if (tol is not None and norms[-1] <= tol) or (rtol is not None and self.relative <= rtol):
+                self.converged = True
+                break
+            if len(norms) > iters or (rtol is not None and len(norms) > 1 and norms[-1] >= norms[-2]):
                 break
             self._vcycle(0, u, g, r)
             r = self._residual(0, u, g)
             norms.append(self._norm(r))
         return norms
 
+    def serial(self, u, g) -> None:
+        """The fine problem solved exactly by the serial loop (the fall-back)."""
+        self._serial(0, u, g)
 
-def _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf):
-    """States (T+1, B, H) time-major, h_0 included, and the residual norms; no autograd."""
+
+def _run(solver: _Solver, u, g, iters, tol, fcf, rtol, fallback, serial) -> dict:
+    """Solve in place: MGRIT (``serial`` False) with the serial fall-back when allowed; what happened."""
+    if serial:
+        solver.serial(u, g)
+        return {"norms": [], "iters": 0, "residual": 0.0, "converged": True, "fallback": False, "serial": True}
+    norms = solver.solve(u, g, iters, tol, rtol)
+    info = {"norms": norms, "iters": len(norms) - 1, "residual": solver.relative, "converged": solver.converged,
+            "fallback": False, "serial": False}
+    if fallback and not solver.converged:
+        solver.serial(u, g)
+        info.update(fallback=True, residual=0.0)
+    return info
+
+
+def _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf, rtol=None, fallback=False, coarse="euler",
+                   serial=False):
+    """States (T+1, B, H) time-major, h_0 included, and what the solve did (:func:`_run`); no autograd."""
     T = x.shape[1]
     with torch.no_grad():
         xp = cell.project(x).transpose(0, 1).contiguous()        # (T, B, 3H), entry t−1 is step t
@@ -130,59 +169,70 @@ def _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf):
         whh, bhh = cell.weight_hh.detach(), cell.bias_hh.detach()
 
         def apply(d, u, l):
-            return implicit_gru_step(u, d[0], whh, bhh, float(cf ** l))
+            return implicit_gru_step(u, d[0], whh, bhh, float(cf ** l), coarse)
 
         u = h0.detach().unsqueeze(0).repeat(T + 1, 1, 1)        # initial guess: h_0 everywhere
-        norms = _Solver(apply, data, cf, fcf).solve(u, None, iters, tol)
-    return u, norms
+        info = _run(_Solver(apply, data, cf, fcf), u, None, iters, tol, fcf, rtol, fallback, serial)
+    return u, info
 
 
 def mgrit_forward(cell: ImplicitGRUCell, x: torch.Tensor, h0: torch.Tensor | None = None, *, cf: int = 4,
-                  levels: int = 2, iters: int = 2, tol: float | None = None, fcf: bool = True):
+                  levels: int = 2, iters: int = 2, tol: float | None = None, fcf: bool = True,
+                  rtol: float | None = None, fallback: bool = False, coarse: str = "euler",
+                  stats: dict | None = None):
     """MGRIT solve of h_t = Φ_1(h_{t−1}, x_t): states (B, T, H) and the residual norms.
 
     ``x`` (B, T, I), ``h0`` (B, H) or None (zeros). The norms are max-norms of
     the fine C-point residual: entry 0 for the initial guess (after its
-    F-relaxation), entry k after iteration k. No autograd: use
+    F-relaxation), entry k after iteration k. At most ``iters`` iterations;
+    fewer once the residual is ≤ ``tol``, or ≤ ``rtol``·max|h| (relative),
+    or, with ``rtol``, when an iteration does not reduce it. ``fallback=True``
+    replaces a solve that did not reach its tolerance by the serial loop
+    (exact). ``coarse`` is the coarse step (:data:`~cdsgd.mgrit.cell.COARSE_STEPS`).
+    If ``stats`` is a dict it receives ``iters``, ``residual`` (relative; 0
+    after a fall-back), ``converged`` and ``fallback``. No autograd: use
     :func:`mgrit_gru` or :class:`ParallelGRU` to train.
     """
     h0 = _check_x_h0(cell, x, h0)
-    _check_options(cf, levels, iters, tol, fcf)
+    _check_options(cf, levels, iters, tol, fcf, rtol, fallback, coarse)
     _check_length(x.shape[1], cf, levels)
-    u, norms = _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf)
-    return u[1:].transpose(0, 1), norms
+    u, info = _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf, rtol, fallback, coarse)
+    if stats is not None:
+        stats.update({k: v for k, v in info.items() if k != "norms"})
+    return u[1:].transpose(0, 1), info["norms"]
 
 
 # ------------------------------------------------------------------ adjoint
 
-def _linearise(h, xp, weight_hh, bias_hh, dt):
-    r"""Coefficients of the VJP of Φ_Δt at (h, xp): for μ = ∂L/∂h⁺ (d = 1 + Δt z)
+def _linearise(h, xp, weight_hh, bias_hh, dt, coarse="euler"):
+    r"""Coefficients of the VJP of Φ_Δt at (h, xp): for μ = ∂L/∂h⁺, with Φ = n + (h − n)·q(z)
 
     ∂L/∂h = μ⊙β + [μα_r, μα_z, μα_n⊙r] U,   ∂L/∂a = [μα_r, μα_z, μα_n],
-    β = 1/d, α_n = Δt z (1−n²)/d, α_z = Δt (n − h⁺) z(1−z)/d, α_r = α_n g_n r(1−r),
+    β = q, α_n = (1 − q)(1 − n²), α_z = (h − n) q'(z) z(1−z), α_r = α_n g_n r(1−r),
 
-    with a = W x + b the projected input and g = U h + c. Returns
-    (β, α (…, 3H), α' = [α_r, α_z, α_n r] (…, 3H)).
+    with a = W x + b the projected input, g = U h + c and q, q' of
+    :func:`~cdsgd.mgrit.cell._damping` (backward Euler: q = 1/(1 + Δt z),
+    q' = −Δt q²). Returns (β, α (…, 3H), α' = [α_r, α_z, α_n r] (…, 3H)).
     """
     gr, gz, gn = F.linear(h, weight_hh, bias_hh).chunk(3, -1)
     xr, xz, xn = xp.chunk(3, -1)
     r = torch.sigmoid(xr + gr)
     z = torch.sigmoid(xz + gz)
     n = torch.tanh(xn + r * gn)
-    d = 1 + dt * z
-    hn = (h + dt * z * n) / d
-    a_n = dt * z * (1 - n * n) / d
-    a_z = dt * (n - hn) * z * (1 - z) / d
+    q, dq = _damping(z, dt, coarse)
+    a_n = (1 - q) * (1 - n * n)
+    a_z = (h - n) * dq * z * (1 - z)
     a_r = a_n * gn * r * (1 - r)
-    return 1 / d, torch.cat([a_r, a_z, a_n], -1), torch.cat([a_r, a_z, a_n * r], -1)
+    return q, torch.cat([a_r, a_z, a_n], -1), torch.cat([a_r, a_z, a_n * r], -1)
 
 
 def _rep3(mu):
     return torch.cat([mu, mu, mu], -1)
 
 
-def _adjoint_solve(cell, x, u, G, cf, levels, iters, tol, fcf):
-    """λ_1..λ_T (T, B, H), the linearisation and the residual norms, from u (T+1, B, H), G (T, B, H)."""
+def _adjoint_solve(cell, x, u, G, cf, levels, iters, tol, fcf, rtol=None, fallback=False, coarse="euler",
+                   serial=False):
+    """λ_1..λ_T (T, B, H), the linearisation and what the solve did, from u (T+1, B, H), G (T, B, H)."""
     T = x.shape[1]
     whh, bhh = cell.weight_hh.detach(), cell.bias_hh.detach()
     xp = cell.project(x.detach()).detach().transpose(0, 1).contiguous()
@@ -194,7 +244,7 @@ def _adjoint_solve(cell, x, u, G, cf, levels, iters, tol, fcf):
             b_l, a_l = beta[1:].flip(0), alpha2[1:].flip(0)            # step s is the VJP of step T+2−s
         else:                                                          # Δt = m step from h_{T+1−jm}
             j = torch.arange(2, T // m + 1, device=x.device)
-            b_l, _, a_l = _linearise(u[T + 1 - j * m], xp[T - (j - 1) * m], whh, bhh, float(m))
+            b_l, _, a_l = _linearise(u[T + 1 - j * m], xp[T - (j - 1) * m], whh, bhh, float(m), coarse)
         zb, za = b_l.new_zeros(1, *b_l.shape[1:]), a_l.new_zeros(1, *a_l.shape[1:])
         data.append((torch.cat([zb, b_l]), torch.cat([za, a_l])))      # s = 1 acts on λ_{T+1} = 0
 
@@ -202,8 +252,8 @@ def _adjoint_solve(cell, x, u, G, cf, levels, iters, tol, fcf):
         return mu * d[0] + torch.matmul(_rep3(mu) * d[1], whh)
 
     lam = G.new_zeros(T + 1, *G.shape[1:])                            # initial guess: 0
-    norms = _Solver(apply, data, cf, fcf).solve(lam, G.flip(0).contiguous(), iters, tol)
-    return lam[1:].flip(0), (beta, alpha, alpha2), norms
+    info = _run(_Solver(apply, data, cf, fcf), lam, G.flip(0).contiguous(), iters, tol, fcf, rtol, fallback, serial)
+    return lam[1:].flip(0), (beta, alpha, alpha2), info
 
 
 def _gradients(cell, x, u, lam, lin):
@@ -211,9 +261,9 @@ def _gradients(cell, x, u, lam, lin):
     lam3 = _rep3(lam)
     ga, gg = lam3 * alpha, lam3 * alpha2                               # ∂L/∂a_t, ∂L/∂(U h_{t−1} + c)
     xt = x.detach().transpose(0, 1)
-    g_whh = torch.einsum("tbk,tbh->kh", gg, u[:-1])
+    g_whh = gg.flatten(0, 1).t() @ u[:-1].flatten(0, 1)              # Σ_t,b: one matmul (einsum was slower)
     g_bhh = gg.sum((0, 1))
-    g_wih = torch.einsum("tbk,tbi->ki", ga, xt)
+    g_wih = ga.flatten(0, 1).t() @ xt.flatten(0, 1)
     g_bih = ga.sum((0, 1))
     g_x = torch.matmul(ga, cell.weight_ih.detach()).transpose(0, 1)
     g_h0 = lam[0] * beta[0] + torch.matmul(gg[0], cell.weight_hh.detach())
@@ -222,12 +272,14 @@ def _gradients(cell, x, u, lam, lin):
 
 def mgrit_backward(cell: ImplicitGRUCell, x: torch.Tensor, H: torch.Tensor, G: torch.Tensor,
                    h0: torch.Tensor | None = None, *, cf: int = 4, levels: int = 2, iters: int = 2,
-                   tol: float | None = None, fcf: bool = True):
+                   tol: float | None = None, fcf: bool = True, rtol: float | None = None, fallback: bool = False,
+                   coarse: str = "euler", stats: dict | None = None):
     """Gradients from states ``H`` (B, T, H) and upstream gradients ``G`` = ∂L/∂H by an MGRIT adjoint solve.
 
     Returns ``(grads, norms)``: ``grads`` a dict with ``x``, ``h0`` and the
     cell's parameter names, ``norms`` the adjoint residual norms (as in
-    :func:`mgrit_forward`). Converged, the gradients are autograd's through the serial loop:
+    :func:`mgrit_forward`; the other options too, ``rtol`` relative to
+    max|λ|). Converged, the gradients are autograd's through the serial loop:
 
     >>> from cdsgd.mgrit import serial_forward
     >>> _ = torch.manual_seed(0); cell = ImplicitGRUCell(2, 4).double()
@@ -239,15 +291,18 @@ def mgrit_backward(cell: ImplicitGRUCell, x: torch.Tensor, H: torch.Tensor, G: t
     (True, 5)
     """
     h0 = _check_x_h0(cell, x, h0)
-    _check_options(cf, levels, iters, tol, fcf)
+    _check_options(cf, levels, iters, tol, fcf, rtol, fallback, coarse)
     _check_length(x.shape[1], cf, levels)
     if tuple(H.shape) != (x.shape[0], x.shape[1], cell.hidden_size) or H.shape != G.shape:
         raise ValueError(f"H and G must have shape (B, T, hidden_size) = "
                          f"{(x.shape[0], x.shape[1], cell.hidden_size)}, got {tuple(H.shape)} and {tuple(G.shape)}")
     with torch.no_grad():
         u = torch.cat([h0.unsqueeze(0), H.transpose(0, 1)]).to(x.dtype)
-        lam, lin, norms = _adjoint_solve(cell, x, u, G.transpose(0, 1).to(x.dtype), cf, levels, iters, tol, fcf)
+        lam, lin, info = _adjoint_solve(cell, x, u, G.transpose(0, 1).to(x.dtype), cf, levels, iters, tol, fcf,
+                                        rtol, fallback, coarse)
         g = _gradients(cell, x, u, lam, lin)
+    if stats is not None:
+        stats.update({k: v for k, v in info.items() if k != "norms"})
     names = ("x", "h0", "weight_ih", "weight_hh", "bias_ih", "bias_hh")
-    return dict(zip(names, g)), norms
+    return dict(zip(names, g)), info["norms"]
 
