@@ -23,8 +23,9 @@ the first dense layer is found by a dry run.
                ``packed`` (default false) skips padded steps
 ``gru``        the same with a GRU
 ``pgru``       the same with the implicit GRU of Moon & Cyr, its recurrence
-               serial or solved by MGRIT over time (``mode``, ``cf``,
-               ``levels``, ``iters``; :mod:`cdsgd.mgrit`)
+               serial or solved by MGRIT over time (``mode``, ``cf`` 8,
+               ``levels``, ``iters`` 4 at most, ``rtol`` 1e-3,
+               ``fallback``, ``coarse``; :mod:`cdsgd.mgrit`)
 =============  =============================================================
 
 Options (``model_params``) are checked by name against the factory's
@@ -430,10 +431,13 @@ def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool
 def pgru(input_shape, n_classes, hidden: int = 64, mode: str = "mgrit", cf: int = 8, levels: int = 2, iters: int = 4,
          fcf: bool = True, rtol: float | None = 1e-3, fallback: bool = True, coarse: str = "frozen",
          trim: bool = True):
-    """The implicit GRU of Moon & Cyr (cdsgd.mgrit.ParallelGRU): ``mode`` "serial" or "mgrit" (docs/parallel-in-time.md)."""
+    """The implicit GRU of Moon & Cyr (cdsgd.mgrit.ParallelGRU): ``mode`` "serial" or "mgrit" (docs/parallel-in-time.md).
+
+    ``rtol = 0`` (with ``fallback = false``) runs exactly ``iters`` V-cycles, as before the tolerance existed.
+    """
     return SequenceClassifier("pgru", input_shape, n_classes, hidden=hidden, trim=trim,
                               mgrit={"mode": mode, "cf": cf, "levels": levels, "iters": iters, "fcf": fcf,
-                                     "rtol": rtol, "fallback": fallback, "coarse": coarse})
+                                     "rtol": None if rtol == 0 else rtol, "fallback": fallback, "coarse": coarse})
 
 
 @MODELS.register("gru")

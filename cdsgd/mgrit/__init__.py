@@ -34,7 +34,15 @@ of level l + 1, the rest are F-points.
   V-cycle on the others; then u_C ← v and the F-points are F-relaxed again
   (ideal interpolation).
 * Stopping: after ``iters`` V-cycles, or earlier once the max-norm of the
-  fine C-point residual is ≤ ``tol``. Initial guess: h_0 at every point.
+  fine C-point residual is ≤ ``tol`` or ≤ ``rtol``·max|h| (relative), or,
+  with ``rtol``, once an iteration fails to reduce it (the iteration does not
+  contract, so more would not help). ``fallback=True``: a solve that missed
+  its tolerance is replaced by the serial loop, so what is returned is
+  within the tolerance or exact. Initial guess: h_0 at every point.
+* Coarse step (``coarse``): ``"euler"``, backward Euler with Δt = c^l (the
+  paper's), q = 1/(1 + Δt z) in h⁺ = n + (h − n) q; or ``"frozen"``, c^l fine
+  steps with z, n held at their values at the interval's start,
+  q = (1 + z)^(−c^l): as forgetful as the fine steps it stands for.
   The sequential depth of one two-level iteration is 2c + T/c batched steps
   with F-relaxation, 3c + T/c with FCF (T/c of them the serial coarse solve),
   not T; with more levels the serial part shrinks to T/c^(levels−1).
@@ -74,7 +82,10 @@ states, norms and gradients are those of :func:`mgrit_forward` /
 The package, by concern: :mod:`~cdsgd.mgrit.cell` (the cell Φ_Δt and the
 serial loop), :mod:`~cdsgd.mgrit.solver` (MGRIT forward and adjoint solves),
 :mod:`~cdsgd.mgrit.layer` (the autograd function and :class:`ParallelGRU`),
-:mod:`~cdsgd.mgrit.distributed` (the solve across torch.distributed ranks).
+:mod:`~cdsgd.mgrit.monitor` (the solve counts and back-off of a training
+run, and :func:`gradient_error`, MGRIT's gradient against the serial one),
+:mod:`~cdsgd.mgrit.distributed` (the solve across torch.distributed ranks;
+fixed iterations and the backward-Euler coarse step only).
 
 >>> import torch
 >>> _ = torch.manual_seed(0); cell = ImplicitGRUCell(2, 4).double()

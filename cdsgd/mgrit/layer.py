@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .cell import ImplicitGRUCell, _check_x_h0, serial_forward
-from .monitor import SolveLog
+from .monitor import DIRECTIONS, SolveLog
 from .solver import _adjoint_solve, _check_length, _check_options, _forward_solve, _gradients
 
 __all__ = ["ParallelGRU", "mgrit_gru"]
@@ -61,7 +61,9 @@ def mgrit_gru(cell: ImplicitGRUCell, x: torch.Tensor, h0: torch.Tensor | None = 
     dict, its ``"forward"`` and (after backward) ``"backward"`` entries
     receive the residual norms, ``"forward_info"`` and ``"backward_info"``
     the iterations, relative residual and whether the solve fell back to the
-    serial loop.
+    serial loop. A set ``stats["serial"]`` naming ``"forward"`` and/or
+    ``"backward"`` solves those by the serial loop (exact, no MGRIT): what a
+    fall-back runs.
     """
     h0 = _check_x_h0(cell, x, h0)
     _check_options(cf, levels, iters, tol, fcf, rtol, fallback, coarse)
@@ -159,7 +161,7 @@ class ParallelGRU(nn.Module):
             H = serial_forward(self.cell, x, h0)
         else:
             counted = torch.is_grad_enabled()   # training solves are counted; evaluation's only steer the back-off
-            self.last_residuals = {"serial": self.solve_log.plan(),
+            self.last_residuals = {"serial": self.solve_log.plan(DIRECTIONS if counted else ("forward",)),
                                    "on_solve": lambda d, info: self.solve_log.record(d, info, counted)}
             H = mgrit_gru(self.cell, x, h0, cf=self.cf, levels=self.levels, iters=self.iters, tol=self.tol,
                           fcf=self.fcf, rtol=self.rtol, fallback=self.fallback, coarse=self.coarse,

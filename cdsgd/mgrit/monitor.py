@@ -46,9 +46,12 @@ class SolveLog:
         self._backoff = dict.fromkeys(DIRECTIONS, 1)
         self.take()
 
-    def plan(self) -> set[str]:
-        """The directions the next call solves serially (each consumes one back-off step)."""
-        serial = {d for d in DIRECTIONS if self._skip[d] > 0}
+    def plan(self, directions=DIRECTIONS) -> set[str]:
+        """Which of the next call's ``directions`` go to the serial loop (each consumes one back-off step).
+
+        A call without autograd solves only ``{"forward"}``: it must not use up the adjoint's back-off.
+        """
+        serial = {d for d in directions if self._skip[d] > 0}
         for d in serial:
             self._skip[d] -= 1
         return serial
@@ -69,12 +72,14 @@ class SolveLog:
         if not info["serial"]:
             c["mgrit_solves"] += 1
             c["iters"] += info["iters"]
-        if math.isfinite(info["residual"]):
-            c["residual"] = max(c["residual"], info["residual"])
+        # a fixed-iteration solve (no rtol) has no relative residual: the figure is then unknown (nan), not 0
+        c["residual"] = math.nan if math.isnan(c["residual"]) or math.isnan(info["residual"]) \
+            else max(c["residual"], info["residual"])
 
     def take(self) -> dict:
         """The counts since the last call (``solves``, ``mgrit_solves``, ``iters``, ``fallbacks``,
-        ``residual``), then reset them."""
+        ``residual``: the largest relative residual of the solutions used, 0 for serial ones, nan when a
+        fixed-iteration solve had none), then reset them."""
         out = getattr(self, "counts", None)
         self.counts = {"solves": 0, "mgrit_solves": 0, "iters": 0, "fallbacks": 0, "residual": 0.0}
         return out
