@@ -13,7 +13,10 @@ the key, the value, and a suggestion::
     ...
     ValueError: config key 'lrr' is unknown; did you mean 'lr'? Known: algorithm, augment, ...
 
-The resolved config is saved beside every result (``config.toml``) and
+A key that neither sets takes its declared default, or its model family's
+(:data:`FAMILY_DEFAULTS`: the recurrent models ``lstm``, ``gru``, ``pgru``
+clip gradients and take a smaller batch and a larger step, the settings
+measured to learn). The resolved config is saved beside every result (``config.toml``) and
 reads back to an equal Config (:func:`dump_config` / :func:`load_config`).
 """
 
@@ -32,8 +35,9 @@ from .base.checks import (FEDAVG_FRACTION, LR, LR_POWER, LR_SCHEDULES, LR_TAU, M
                           Choices, check_choice)
 from .base.compat import module_getattr
 
-__all__ = ["Config", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges", "config_keys", "dump_config", "key",
-           "key_info", "load_config", "parse_override", "short_value", "toml_value"]
+__all__ = ["Config", "FAMILY_DEFAULTS", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges", "config_keys", "dump_config",
+           "family_defaults", "key", "key_info", "load_config", "parse_override", "resolve_config", "short_value",
+           "toml_value"]
 
 
 
@@ -278,9 +282,43 @@ def _apply(cfg: Config, key: str, value: Any) -> None:
     setattr(cfg, key, dict(value) if isinstance(value, dict) else value)
 
 
+#: defaults of a model family: (family name, its models, {key: default}). A config file and ``key=value``
+#: overrides always win; a key they leave unset takes the family's default instead of the declared one. The
+#: recurrent models' defaults are the settings measured to learn (docs/sequences.md, "Settings that learn").
+FAMILY_DEFAULTS = (
+    ("recurrent", ("lstm", "gru", "pgru"), {"batch_size": 8, "lr": 0.3, "grad_clip": 1.0}),
+)
+
+
+def family_defaults(model: str) -> tuple[str, dict]:
+    """The family of ``model`` and the defaults it replaces: ``("", {})`` for a model that has none.
+
+    >>> family_defaults("gru")
+    ('recurrent', {'batch_size': 8, 'lr': 0.3, 'grad_clip': 1.0})
+    >>> family_defaults("mlp")
+    ('', {})
+    """
+    for family, models, defaults in FAMILY_DEFAULTS:
+        if model in models:
+            return family, dict(defaults)
+    return "", {}
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the TOML file at ``path`` (if any), then ``key=value`` overrides."""
-    cfg = Config()
+    """Defaults, then the TOML file at ``path`` (if any), then ``key=value`` overrides; a key neither sets
+    takes the model family's default where there is one (:data:`FAMILY_DEFAULTS`)."""
+    return resolve_config(path, overrides)[0]
+
+
+def resolve_config(path: str | os.PathLike | None = None,
+                   overrides: Sequence[str] = ()) -> tuple[Config, dict]:
+    """:func:`load_config`'s config, and the family defaults it took: ``{key: value}`` for each key that the
+    file and the overrides leave unset and the model's family sets (``{}`` for most models).
+
+    >>> resolve_config(overrides=["model=lstm", "lr=0.1"])[1]
+    {'batch_size': 8, 'grad_clip': 1.0}
+    """
+    cfg, given = Config(), set()
     if path is not None:
         try:
             with open(path, "rb") as f:
@@ -296,9 +334,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             if isinstance(value, dict) and key in _TYPES and _TYPES[key] != "dict":
                 raise ValueError(f"config file {os.fspath(path)!r}: {key!r} must be {_TYPES[key]}, got a table")
             _apply(cfg, key, value)
+            given.add(key.split(".", 1)[0])
     for text in overrides:
-        _apply(cfg, *parse_override(text))
-    return cfg
+        key, value = parse_override(text)
+        _apply(cfg, key, value)
+        given.add(key.split(".", 1)[0])
+    taken = {k: _coerce(k, v) for k, v in family_defaults(cfg.model)[1].items() if k not in given}
+    for k, v in taken.items():
+        setattr(cfg, k, v)
+    return cfg, taken
 
 
 def toml_value(v: Any) -> str:
@@ -316,10 +360,21 @@ def toml_value(v: Any) -> str:
     raise ValueError(f"cannot write {v!r} as TOML")
 
 
-def dump_config(cfg: Config) -> str:
-    """The config as TOML text (all keys, resolved), readable by :func:`load_config`."""
+def dump_config(cfg: Config, taken: dict | None = None) -> str:
+    """The config as TOML text (all keys, resolved), readable by :func:`load_config`; ``taken`` (the family
+    defaults :func:`resolve_config` applied) marks those keys with a comment saying where they come from."""
     lines = ["# cdsgd run config (fully resolved)"]
-    lines += [f"{k} = {toml_value(getattr(cfg, k))}" for k in _TYPES]
+    taken = taken or {}
+    if taken:
+        family, _ = family_defaults(cfg.model)
+        models = next(m for f, m, _ in FAMILY_DEFAULTS if f == family)
+        lines.append(f"# model {cfg.model!r} takes the {family} models' defaults ({', '.join(models)}) for "
+                     f"{', '.join(taken)}, which are not set here; a key set in the config file or as key=value wins")
+    for k in _TYPES:
+        line = f"{k} = {toml_value(getattr(cfg, k))}"
+        if k in taken:
+            line += f"  # {family} models' default (other models: {toml_value(key_info(k)['default'])})"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from cdsgd.config import Config, dump_config, load_config, parse_override
+from cdsgd.config import (Config, config_keys, dump_config, family_defaults, key_info, load_config, parse_override,
+                          resolve_config, toml_value)
+from cdsgd.models import MODELS
 from cdsgd.run.experiment import validate_config
 
 CONTRACT_KEYS = ["algorithm", "topology", "n_agents", "mixing", "dataset", "data_dir", "partition",
@@ -107,3 +109,83 @@ VALUE_BAD = [
 def test_bad_values(override, pattern):
     with pytest.raises(ValueError, match=pattern):
         validate_config(load_config(overrides=[override]))
+
+
+# ------------------------------------------------------------------ a model family's defaults
+
+
+RECURRENT = {"batch_size": 8, "lr": 0.3, "grad_clip": 1.0}
+
+
+def _declared(name):
+    return key_info(name)["default"]
+
+
+@pytest.mark.parametrize("model", ["lstm", "gru", "pgru"])
+def test_recurrent_models_take_their_familys_defaults(model):
+    cfg, taken = resolve_config(overrides=["dataset=plaid", f"model={model}"])
+    assert taken == RECURRENT
+    assert {k: getattr(cfg, k) for k in RECURRENT} == RECURRENT
+    assert isinstance(cfg.batch_size, int) and isinstance(cfg.lr, float) and isinstance(cfg.grad_clip, float)
+    others = [k for k in config_keys() if k not in RECURRENT and k not in ("dataset", "model")]
+    assert all(getattr(cfg, k) == _declared(k) for k in others)
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize("model", sorted(set(MODELS.names()) - {"lstm", "gru", "pgru"}))
+def test_every_other_model_keeps_the_declared_defaults(model):
+    cfg, taken = resolve_config(overrides=[f"model={model}"])
+    assert taken == {} and family_defaults(model) == ("", {})
+    assert all(getattr(cfg, k) == _declared(k) for k in config_keys() if k != "model")
+    assert load_config(overrides=[f"model={model}"]) == cfg
+
+
+def test_a_set_key_wins_over_the_family_default_even_at_the_declared_default(tmp_path):
+    """Set on the command line or in a config file, a key keeps its value (0, 32, 0.05 included: set is set)."""
+    cfg, taken = resolve_config(overrides=["model=lstm", "grad_clip=0", "batch_size=32"])
+    assert (cfg.grad_clip, cfg.batch_size, cfg.lr) == (0.0, 32, 0.3) and taken == {"lr": 0.3}
+    p = tmp_path / "c.toml"
+    p.write_text('model = "gru"\nlr = 0.05\n')
+    cfg, taken = resolve_config(p)
+    assert (cfg.lr, cfg.batch_size, cfg.grad_clip) == (0.05, 8, 1.0) and set(taken) == {"batch_size", "grad_clip"}
+    p.write_text('lr = 0.2\n')  # the model chosen on the command line, the step in the file: the file's step
+    assert load_config(p, ["model=pgru"]).lr == 0.2
+    p.write_text('model = "lstm"\n')  # the model from the file, the step from the command line
+    assert load_config(p, ["lr=0.1"]).lr == 0.1
+    assert load_config(p, ["model=mlp"]).lr == _declared("lr")  # the model is the last one given
+    every = [f"{k}={toml_value(getattr(load_config(), k))}" for k in config_keys()]
+    assert load_config(overrides=[*every, "model=lstm"]).grad_clip == 0.0  # a saved config: all keys set
+
+
+def test_a_resolved_config_reads_back_unchanged(tmp_path):
+    """config.toml (every key written) loads to the same config: its values are set, so no default applies."""
+    cfg = load_config(overrides=["model=gru", "lr=0.2"])
+    p = tmp_path / "config.toml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg and resolve_config(p)[1] == {}
+
+
+def test_print_config_marks_the_values_taken_from_the_family(capsys):
+    from cdsgd import cli
+
+    assert cli.main(["run", "dataset=plaid", "model=lstm", "lr=0.2", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    lines = dict(line.split(" = ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert lines["batch_size"] == "8  # recurrent models' default (other models: 32)"
+    assert lines["grad_clip"] == "1.0  # recurrent models' default (other models: 0.0)"
+    assert lines["lr"] == "0.2" and lines["momentum"] == "0.95"
+    assert "# model 'lstm' takes the recurrent models' defaults (lstm, gru, pgru) for batch_size, grad_clip" in text
+    assert cli.main(["run", "model=mlp", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    assert "default" not in text and "batch_size = 32\n" in text
+
+
+def test_run_help_gives_the_family_defaults(capsys):
+    from cdsgd import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = capsys.readouterr().out
+    for k, v in RECURRENT.items():
+        assert f"  {k} = {toml_value(_declared(k))} (lstm, gru, pgru: {toml_value(v)}): " in text
+    assert "  momentum = 0.95: " in text

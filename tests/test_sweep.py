@@ -360,3 +360,36 @@ topology = ["ring", "complete"]
     for name in ("accuracy_vs_sim_time.png", "time_to_target.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert "| simulated s | steps to acc ≥ 0.5 | simulated s to acc ≥ 0.5 |" in (out / "table.md").read_text()
+
+
+def test_a_sweep_records_the_family_defaults_its_runs_resolved_to(tmp_path):
+    """A sweep over models: the recurrent runs take their family's defaults for the keys the sweep leaves
+    unset (the base's lr wins), each run's config.toml holds the resolved values, and results.csv names the
+    keys that differ between runs because of them, so every row says what it ran with."""
+    from cdsgd.run.sweep import collect
+
+    spec = write(tmp_path, """
+[base]
+dataset = "synthetic_seq"
+n_agents = 4
+epochs = 1
+lr = 0.1
+
+[grid]
+model = ["mlp", "gru"]
+""")
+    runs = {r.config.model: r for r in load_sweep(spec, tmp_path / "out")}
+    assert [(c.batch_size, c.lr, c.grad_clip) for c in (runs["mlp"].config, runs["gru"].config)] == \
+        [(32, 0.1, 0.0), (8, 0.1, 1.0)]
+    from cdsgd.config import dump_config
+
+    for r in runs.values():  # a finished run folder, as run_experiment leaves it
+        r.folder.mkdir(parents=True)
+        (r.folder / "config.toml").write_text(dump_config(r.config))
+        (r.folder / "summary.json").write_text(json.dumps({"status": "completed", "test_accuracy": 0.5}))
+    rows = {row["model"]: row for row in collect(tmp_path / "out")}
+    assert {k: rows["gru"][k] for k in ("batch_size", "grad_clip")} == {"batch_size": 8, "grad_clip": 1.0}
+    assert {k: rows["mlp"][k] for k in ("batch_size", "grad_clip")} == {"batch_size": 32, "grad_clip": 0.0}
+    assert "lr" not in rows["gru"]  # the same in every run: the base's
+    header, _ = read_results(tmp_path / "out")
+    assert {"model", "batch_size", "grad_clip"} <= set(header) and "lr" not in header

@@ -32,12 +32,18 @@ Run 'cdsgd VERB --help' for a verb's options."""
 
 def _config_help() -> str:
     """Every config key with its default and help, as each field of Config declares them."""
-    from ..config import config_keys, key_info, toml_value
+    from ..config import FAMILY_DEFAULTS, config_keys, key_info, toml_value
 
-    lines = ["config keys (key = default: meaning):"]
+    families = {k: [] for k in config_keys()}
+    for _, models, defaults in FAMILY_DEFAULTS:
+        for k, v in defaults.items():
+            families[k].append(f"{', '.join(models)}: {toml_value(v)}")
+    lines = ["config keys (key = default: meaning; (model: value): that model's default, used unless the key "
+             "is set in the config file or on the command line):"]
     for name in config_keys():
         info = key_info(name)
-        lines.append(f"  {name} = {toml_value(info['default'])}: {info['help']}")
+        family = f" ({'; '.join(families[name])})" if families[name] else ""
+        lines.append(f"  {name} = {toml_value(info['default'])}{family}: {info['help']}")
     return "\n".join(lines)
 
 
@@ -56,20 +62,21 @@ def _add_run(sub) -> None:
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [key=value ...]",
                    help="an optional TOML config file, then overrides")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit (a comment "
+                   "marks each value taken from the model family's defaults)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args) -> int:
-    from ..config import dump_config, load_config
+    from ..config import dump_config, resolve_config
     from ..run.experiment import run_experiment, validate_config
 
     path, overrides = split_run_args(args.args)
-    cfg = load_config(path, overrides)
+    cfg, taken = resolve_config(path, overrides)
     plan = validate_config(cfg)
     if args.print_config:
-        print(dump_config(cfg), end="")
+        print(dump_config(cfg, taken), end="")
         return 0
     summary = run_experiment(cfg, progress=False if args.no_progress else None, plan=plan)
     if cfg.executor == "torch" and os.environ.get("RANK", "0") != "0":

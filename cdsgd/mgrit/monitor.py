@@ -95,9 +95,7 @@ def gradient_error(module: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> di
     ``rel_error`` = ‖g_m − g_s‖/‖g_s‖ and both losses. The parameters'
     ``.grad`` are left as they were.
     """
-    from .layer import ParallelGRU
-
-    layers = [m for m in module.modules() if isinstance(m, ParallelGRU)]
+    layers = [m for m in module.modules() if isinstance(getattr(m, "solve_log", None), SolveLog)]  # ParallelGRUs
     if not layers:
         raise ValueError(f"gradient_error needs a module holding a ParallelGRU, got {type(module).__name__}")
     params = [p for p in module.parameters() if p.requires_grad]
