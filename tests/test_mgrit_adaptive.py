@@ -533,3 +533,26 @@ def test_metrics_columns_are_nan_without_mgrit_solves(monkeypatch, model, option
     for row in rows:
         assert all(math.isnan(row[c]) for c in MGRIT_COLUMNS)
         assert math.isfinite(row["test_loss"])
+
+
+def test_a_pgru_run_writes_and_shows_the_mgrit_columns(tmp_path):
+    """`cdsgd run model=pgru`: metrics.csv has the four columns per row, and the progress line names them."""
+    import csv
+
+    from cdsgd.config import load_config
+    from cdsgd.run.experiment import run_experiment
+
+    lines = []
+    overrides = ["dataset=synthetic_seq", "model=pgru", "n_agents=3", "epochs=2", f"out={tmp_path / 'r'}",
+                 "dataset_params={n_train = 48, n_test = 12, mean_length = 40.0, max_length = 80}",
+                 "model_params={hidden = 8}"]
+    run_experiment(load_config(overrides=overrides), progress=False, log=lines.append)
+    with open(tmp_path / "r" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    for row, before in zip(rows, [0] + steps):
+        assert float(row["mgrit_solves"]) == 2 * 3 * (int(row["step"]) - before)   # forward + adjoint, 3 agents
+        assert 0 <= float(row["mgrit_fallbacks"]) <= float(row["mgrit_solves"])
+        assert 0 <= float(row["mgrit_residual"]) <= 1e-3 and float(row["mgrit_iters"]) >= 0
+    shown = [line for line in lines if line.startswith("epoch ")]
+    assert len(shown) == len(rows) and all(" serial" in line and "mgrit " in line for line in shown)

@@ -357,7 +357,9 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
                 os.fsync(f.fileno())
             shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
                       f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
-                      f"consensus {row['consensus_distance']:.3g}", row)
+                      f"consensus {row['consensus_distance']:.3g}"
+                      + (f"  mgrit {row['mgrit_iters']:.1f} it, {row['mgrit_fallbacks']:.0f}/{row['mgrit_solves']:.0f} "
+                         f"serial" if row.get("mgrit_solves", 0) > 0 else ""), row)
             hint = "" if hinted else eval_hint(cfg, sim)
             if hint:
                 hinted = True
