@@ -72,8 +72,10 @@ def test_average_model_metrics_are_the_same_number_on_every_rank():
     # the whole row is the same on every rank, but for each rank's own wall clock; with no simulated
     # network sim_seconds is NaN everywhere (and NaN != NaN, so it is checked apart)
     assert all(math.isnan(r["sim_seconds"]) for r in rows.values())
-    same = [{k: v for k, v in r.items() if k not in ("wall_seconds", "sim_seconds")} for r in rows.values()]
+    same = [{k: "nan" if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()
+             if k not in ("wall_seconds", "sim_seconds")} for r in rows.values()]
     assert same[0] == same[1] == same[2]
+    assert all(same[0][k] == "nan" for k in ("mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves"))
 
 
 def test_local_group_is_one_process_that_agrees_with_itself():
