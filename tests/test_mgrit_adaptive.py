@@ -7,11 +7,15 @@ with autograd, or the solve reports heard by a spy. Exactness is checked in floa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 from torch import nn
+
+import test_mgrit
+from test_mgrit import _one_thread  # noqa: F401 - autouse fixture: one thread in this module too
 
 from cdsgd.mgrit import (ImplicitGRUCell, ParallelGRU, SolveLog, gradient_error, implicit_gru_step, mgrit_backward,
                          mgrit_forward, mgrit_gru, serial_forward)
@@ -22,23 +26,9 @@ NAMES = ("x", "h0", "weight_ih", "weight_hh", "bias_ih", "bias_hh")
 MGRIT_COLUMNS = ("mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # tiny ops: threads only add synchronisation (conftest restores the count)
-
-
-def problem(seed=0, B=3, T=64, I=2, H=8, dtype=D):
-    torch.manual_seed(seed)
-    cell = ImplicitGRUCell(I, H).to(dtype)
-    return cell, torch.randn(B, T, I, dtype=dtype), 0.5 * torch.randn(B, H, dtype=dtype)
-
-
-def serial_grads(cell, x, h0, W):
-    """∂(Σ H⊙W)/∂(x, h0, θ) by autograd through the serial loop."""
-    xg, hg = x.clone().requires_grad_(), h0.clone().requires_grad_()
-    cell.zero_grad()
-    (serial_forward(cell, xg, hg) * W).sum().backward()
-    return {"x": xg.grad, "h0": hg.grad, **{n: p.grad.clone() for n, p in cell.named_parameters()}}
+# test_mgrit's problem with 3 sequences of 2 inputs; its one-thread fixture (autouse here too) and serial gradients
+problem = functools.partial(test_mgrit.problem, B=3, I=2)
+serial_grads = test_mgrit.serial_grads
 
 
 def max_diff(a: dict, b: dict) -> float:

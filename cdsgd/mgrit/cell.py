@@ -52,7 +52,7 @@ def implicit_gru_step(h: torch.Tensor, xp: torch.Tensor, weight_hh: torch.Tensor
     r = torch.sigmoid(xr + gr)
     z = torch.sigmoid(xz + gz)
     n = torch.tanh(xn + r * gn)
-    if coarse == "euler" or dt == 1.0:
+    if coarse == "euler" or dt == 1.0:  # = n + (h − n)·q with _damping's q, in the form that keeps its old rounding
         dz = dt * z
         return (h + dz * n) / (1 + dz)
     return n + (h - n) * _damping(z, dt, coarse)[0]

@@ -13,7 +13,7 @@ from torch import nn
 
 from .cell import ImplicitGRUCell, _check_x_h0, serial_forward
 from .monitor import DIRECTIONS, SolveLog
-from .solver import _adjoint_solve, _check_length, _check_options, _forward_solve, _gradients
+from .solver import _adjoint_solve, _check_length, _check_options, _forward_solve, _gradients, _summary
 
 __all__ = ["ParallelGRU", "mgrit_gru"]
 
@@ -46,7 +46,7 @@ class _MGRITGRU(torch.autograd.Function):
 
 def _report(stats: dict, direction: str, info: dict) -> None:
     stats[direction] = info["norms"]
-    stats[direction + "_info"] = {k: v for k, v in info.items() if k != "norms"}
+    stats[direction + "_info"] = _summary(info)
     if "on_solve" in stats:
         stats["on_solve"](direction, info)
 

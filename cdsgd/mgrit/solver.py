@@ -157,7 +157,7 @@ class _Solver:
         self._serial(0, u, g)
 
 
-def _run(solver: _Solver, u, g, iters, tol, fcf, rtol, fallback, serial) -> dict:
+def _run(solver: _Solver, u, g, iters, tol, rtol, fallback, serial) -> dict:
     """Solve in place: MGRIT (``serial`` False) with the serial fall-back when allowed; what happened."""
     if serial:
         solver.serial(u, g)
@@ -169,6 +169,11 @@ def _run(solver: _Solver, u, g, iters, tol, fcf, rtol, fallback, serial) -> dict
         solver.serial(u, g)
         info.update(fallback=True, residual=0.0)
     return info
+
+
+def _summary(info: dict) -> dict:
+    """What a solve did (:func:`_run`), without its residual norms: the ``stats`` callers receive."""
+    return {k: v for k, v in info.items() if k != "norms"}
 
 
 def _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf, rtol=None, fallback=False, coarse="euler",
@@ -184,7 +189,7 @@ def _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf, rtol=None, fallback
             return implicit_gru_step(u, d[0], whh, bhh, float(cf ** l), coarse)
 
         u = h0.detach().unsqueeze(0).repeat(T + 1, 1, 1)        # initial guess: h_0 everywhere
-        info = _run(_Solver(apply, data, cf, fcf), u, None, iters, tol, fcf, rtol, fallback, serial)
+        info = _run(_Solver(apply, data, cf, fcf), u, None, iters, tol, rtol, fallback, serial)
     return u, info
 
 
@@ -198,7 +203,8 @@ def mgrit_forward(cell: ImplicitGRUCell, x: torch.Tensor, h0: torch.Tensor | Non
     the fine C-point residual: entry 0 for the initial guess (after its
     F-relaxation), entry k after iteration k. At most ``iters`` iterations;
     fewer once the residual is ≤ ``tol``, or ≤ ``rtol``·max|h| (relative),
-    or, with ``rtol``, when an iteration does not reduce it. ``fallback=True``
+    or, with ``rtol``, once it is not progressing (:func:`_progressing`: not
+    finite, or above the initial residual after two iterations). ``fallback=True``
     replaces a solve that did not reach its tolerance by the serial loop
     (exact). ``coarse`` is the coarse step (:data:`~cdsgd.mgrit.cell.COARSE_STEPS`).
     If ``stats`` is a dict it receives ``iters``, ``residual`` (relative; 0
@@ -212,7 +218,7 @@ def mgrit_forward(cell: ImplicitGRUCell, x: torch.Tensor, h0: torch.Tensor | Non
     _check_length(x.shape[1], cf, levels)
     u, info = _forward_solve(cell, x, h0, cf, levels, iters, tol, fcf, rtol, fallback, coarse)
     if stats is not None:
-        stats.update({k: v for k, v in info.items() if k != "norms"})
+        stats.update(_summary(info))
     return u[1:].transpose(0, 1), info["norms"]
 
 
@@ -266,7 +272,7 @@ def _adjoint_solve(cell, x, u, G, cf, levels, iters, tol, fcf, rtol=None, fallba
         return mu * d[0] + torch.matmul(_rep3(mu) * d[1], whh)
 
     lam = G.new_zeros(T + 1, *G.shape[1:])                            # initial guess: 0
-    info = _run(_Solver(apply, data, cf, fcf), lam, G.flip(0).contiguous(), iters, tol, fcf, rtol, fallback, serial)
+    info = _run(_Solver(apply, data, cf, fcf), lam, G.flip(0).contiguous(), iters, tol, rtol, fallback, serial)
     return lam[1:].flip(0), (beta, alpha, alpha2), info
 
 
@@ -316,7 +322,7 @@ def mgrit_backward(cell: ImplicitGRUCell, x: torch.Tensor, H: torch.Tensor, G: t
                                         rtol, fallback, coarse)
         g = _gradients(cell, x, u, lam, lin)
     if stats is not None:
-        stats.update({k: v for k, v in info.items() if k != "norms"})
+        stats.update(_summary(info))
     names = ("x", "h0", "weight_ih", "weight_hh", "bias_ih", "bias_hh")
     return dict(zip(names, g)), info["norms"]
 
