@@ -293,75 +293,96 @@ def validate(W, G: nx.Graph | None = None, *, tol: float = TOL, symmetric: bool 
         ...
         ValueError: mixing matrix is not symmetric: W[0, 1] = 0.5 but W[1, 0] = 0.4
     """
+    S, dense = _as_csr(W)
+    n = S.shape[0]
+    rows, cols, vals = _entries(S)
+    _check_entries(rows, cols, vals)
+    if symmetric:
+        _check_symmetric(S, rows, cols, vals, tol)
+    _check_sums(S, dense, tol, row_sums)
+    off = (rows != cols) & (vals > 0)
+    if G is not None:
+        _check_edges(G, n, rows[off], cols[off], vals[off])
+    if connected:
+        _check_connected(n, rows[off], cols[off], directed=not row_sums)
+    return S if dense is None else dense
+
+
+def _as_csr(W) -> tuple:
+    """(``W`` as a float64 CSR matrix, ``W`` as a float64 array or None when it is sparse), if square and non-empty."""
     if _is_sparse(W):
         S = W.tocsr().astype(np.float64)
         S.sum_duplicates()
-        dense = None
-    else:
-        try:
-            dense = np.asarray(W, dtype=np.float64)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"mixing matrix is not numeric: {e}") from None
-        if dense.ndim != 2:
-            raise ValueError(f"mixing matrix must be square and non-empty, got shape {dense.shape}")
-        S = None
-    shape = dense.shape if S is None else S.shape
-    if shape[0] != shape[1] or shape[0] == 0:
-        raise ValueError(f"mixing matrix must be square and non-empty, got shape {shape}")
-    n = shape[0]
-    if S is None:
-        import scipy.sparse as sp
+        if S.shape[0] != S.shape[1] or S.shape[0] == 0:
+            raise ValueError(f"mixing matrix must be square and non-empty, got shape {S.shape}")
+        return S, None
+    try:
+        dense = np.asarray(W, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"mixing matrix is not numeric: {e}") from None
+    if dense.ndim != 2 or dense.shape[0] != dense.shape[1] or dense.shape[0] == 0:
+        raise ValueError(f"mixing matrix must be square and non-empty, got shape {dense.shape}")
+    import scipy.sparse as sp
 
-        S = sp.csr_array(dense)  # the non-zero entries, row-major: the checks below see them in that order
+    return sp.csr_array(dense), dense
+
+
+def _entries(S) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, columns, values) of ``S``'s stored entries in row-major order: the checks see them in that order."""
     coo = S.tocoo()
     rows, cols, vals = coo.row, coo.col, coo.data
     order = np.lexsort((cols, rows))
-    rows, cols, vals = rows[order], cols[order], vals[order]
+    return rows[order], cols[order], vals[order]
 
-    def first(mask):
-        k = int(np.flatnonzero(mask)[0])
-        return int(rows[k]), int(cols[k]), vals[k]
 
+def _check_entries(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> None:
+    """Refuse an entry that is not finite, then one that is negative: the first in row-major order."""
     if not np.isfinite(vals).all():
-        i, j, v = first(~np.isfinite(vals))
-        raise ValueError(f"mixing matrix entry W[{i}, {j}] = {v} is not finite")
+        k = int(np.flatnonzero(~np.isfinite(vals))[0])
+        raise ValueError(f"mixing matrix entry W[{int(rows[k])}, {int(cols[k])}] = {vals[k]} is not finite")
     if (vals < 0).any():
-        i, j, v = first(vals < 0)
-        raise ValueError(f"mixing matrix entry W[{i}, {j}] = {_fmt(v)} is negative")
+        k = int(np.flatnonzero(vals < 0)[0])
+        raise ValueError(f"mixing matrix entry W[{int(rows[k])}, {int(cols[k])}] = {_fmt(vals[k])} is negative")
+
+
+def _check_symmetric(S, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, tol: float) -> None:
+    """Refuse ``S`` unless |W_ij − W_ji| <= tol and W_ij != 0 exactly where W_ji != 0, naming the first entry."""
     D = (S - S.T).tocoo()
     bad = np.abs(D.data) > tol
-    if symmetric and bad.any():
+    if bad.any():
         k = np.lexsort((D.col[bad], D.row[bad]))[0]
         i, j = int(D.row[bad][k]), int(D.col[bad][k])
         raise ValueError(
             f"mixing matrix is not symmetric: W[{i}, {j}] = {_fmt(S[i, j])} but W[{j}, {i}] = {_fmt(S[j, i])}"
         )
-    if symmetric:
-        # Within tol, W_ij = 5e-9 may face W_ji = 0: agent i would average with j while j ignores i. The
-        # neighbour relation must be mutual for a symmetric W (push-sum's directed W is checked with
-        # symmetric=False: its exchange follows rows and columns apart).
-        i, j = _one_sided_entry(n, rows, cols, vals)
-        if i is not None:
-            raise ValueError(f"mixing matrix is not symmetric: W[{i}, {j}] = {_fmt(S[i, j])} but W[{j}, {i}] = 0: "
-                             "the zero pattern is not symmetric")
+    # Within tol, W_ij = 5e-9 may face W_ji = 0: agent i would average with j while j ignores i. The
+    # neighbour relation must be mutual for a symmetric W (push-sum's directed W is checked with
+    # symmetric=False: its exchange follows rows and columns apart).
+    i, j = _one_sided_entry(S.shape[0], rows, cols, vals)
+    if i is not None:
+        raise ValueError(f"mixing matrix is not symmetric: W[{i}, {j}] = {_fmt(S[i, j])} but W[{j}, {i}] = 0: "
+                         "the zero pattern is not symmetric")
+
+
+def _check_sums(S, dense: np.ndarray | None, tol: float, row_sums: bool) -> None:
+    """Refuse a row (when ``row_sums``) or a column of ``S`` (``dense`` when given) not summing to 1 within tol."""
     for axis, what in ((1, "row"), (0, "column"))[0 if row_sums else 1:]:
         sums = dense.sum(axis=axis) if dense is not None else np.asarray(S.sum(axis=axis)).ravel()
         bad = np.flatnonzero(np.abs(sums - 1.0) > tol)
         if len(bad):
             i = bad[0]
             raise ValueError(f"mixing matrix {what} {i} sums to {_fmt(sums[i])}, not 1 (tolerance {tol:g})")
-    off = (rows != cols) & (vals > 0)
-    if G is not None:
-        if G.number_of_nodes() != n:
-            raise ValueError(f"mixing matrix is {n}x{n} but the graph has {G.number_of_nodes()} nodes")
-        for i, j, v in zip(rows[off], cols[off], vals[off]):
-            if not (G.has_edge(int(j), int(i)) if G.is_directed() else G.has_edge(int(i), int(j))):
-                raise ValueError(
-                    f"mixing matrix entry W[{i}, {j}] = {_fmt(v)} but nodes {i} and {j} are not linked in the graph"
-                )
-    if connected:
-        _check_connected(n, rows[off], cols[off], directed=not row_sums)
-    return S if dense is None else dense
+
+
+def _check_edges(G: nx.Graph, n: int, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> None:
+    """Refuse ``G`` unless it has ``n`` nodes and an edge under each entry W[rows[k], cols[k]] (l → j for W[j, l])."""
+    if G.number_of_nodes() != n:
+        raise ValueError(f"mixing matrix is {n}x{n} but the graph has {G.number_of_nodes()} nodes")
+    for i, j, v in zip(rows, cols, vals):
+        if not (G.has_edge(int(j), int(i)) if G.is_directed() else G.has_edge(int(i), int(j))):
+            raise ValueError(
+                f"mixing matrix entry W[{i}, {j}] = {_fmt(v)} but nodes {i} and {j} are not linked in the graph"
+            )
 
 
 def _one_sided_entry(n: int, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> tuple:

@@ -158,84 +158,84 @@ def read_ts(path: str | os.PathLike) -> tuple[list[np.ndarray], list[str]]:
     def fail(lineno: int, problem: str) -> ValueError:
         return ValueError(f"{path}, line {lineno}: {problem}")
 
-    flags: dict[str, bool] = {}
-    n_dims: int | None = None
-    classes: list[str] | None = None
-    in_data = False
-    seqs: list[np.ndarray] = []
-    labels: list[str] = []
-    lineno = 0
+    head: dict = {}  # the header's values by lower-case tag (@dimensions: an int, @classlabel: the labels)
+    cases, lineno = [], 0  # each case's (sequence, label); the line read last
     with open(path, encoding="utf-8-sig") as f:
         for lineno, raw in enumerate(f, 1):
             line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
             if line.startswith("@"):
-                if in_data:
-                    raise fail(lineno, f"header {line.split()[0]} after @data")
-                tag, *args = line.split()
-                key = tag.lower()
-                if key not in _TS_TAGS:
-                    raise fail(lineno, f"unknown header {tag}; known: @problemName, @timeStamps, @missing, "
-                                       "@univariate, @dimensions, @equalLength, @seriesLength, @classLabel, @data")
-                if key in _TS_BOOLEAN_TAGS:
-                    if len(args) != 1 or args[0].lower() not in ("true", "false"):
-                        raise fail(lineno, f"{tag} must be followed by true or false, got {' '.join(args)!r}")
-                    flags[key] = args[0].lower() == "true"
-                    if key == "@timestamps" and flags[key]:
-                        raise fail(lineno, "@timeStamps true is not supported; allowed: @timeStamps false")
-                    if key == "@univariate" and flags[key]:
-                        if n_dims not in (None, 1):
-                            raise fail(lineno, f"@univariate true contradicts @dimensions {n_dims}")
-                        n_dims = 1
-                elif key == "@dimensions":
-                    if len(args) != 1 or not args[0].isdigit() or int(args[0]) < 1:
-                        raise fail(lineno, f"@dimensions must be followed by an integer ≥ 1, got {' '.join(args)!r}")
-                    if flags.get("@univariate") and int(args[0]) != 1:
-                        raise fail(lineno, f"@dimensions {args[0]} contradicts @univariate true")
-                    n_dims = int(args[0])
-                elif key == "@classlabel":
-                    if not args or args[0].lower() not in ("true", "false"):
-                        raise fail(lineno, f"@classLabel must be followed by true or false, got {' '.join(args)!r}")
-                    if args[0].lower() == "false":
-                        raise fail(lineno, "@classLabel false: only classification files are supported")
-                    if len(args) < 2:
-                        raise fail(lineno, "@classLabel true declares no labels")
-                    classes = args[1:]
-                elif key == "@targetlabel":
-                    raise fail(lineno, "@targetLabel (regression) is not supported; only classification files")
-                elif key == "@data":
-                    if classes is None:
-                        raise fail(lineno, "@data before any @classLabel true line")
-                    in_data = True
-                continue  # @problemName and @seriesLength carry nothing needed here
-            if not in_data:
-                raise fail(lineno, "data before the @data line")
-            *dims, label = line.split(":")
-            label = label.strip()
-            if not dims:
-                raise fail(lineno, "expected the dimensions and a class label separated by ':'")
-            if n_dims is None:
-                n_dims = len(dims)  # no header said: the first case decides
-            elif len(dims) != n_dims:
-                raise fail(lineno, f"{len(dims)} dimensions; expected {n_dims}")
-            if label not in classes:
-                raise fail(lineno, f"class label {label!r} is not declared in @classLabel ({' '.join(classes)})")
-            columns = [_ts_values(text, d, lineno, fail) for d, text in enumerate(dims)]
-            lengths = [len(c) for c in columns]
-            if len(set(lengths)) > 1:
-                raise fail(lineno, f"dimensions of unequal lengths {lengths}; all dimensions of a case "
-                                   "must have the same length")
-            if flags.get("@equallength") and seqs and lengths[0] != len(seqs[0]):
-                raise fail(lineno, f"length {lengths[0]} differs from the first case's {len(seqs[0])} "
-                                   "under @equalLength true")
-            seqs.append(np.stack(columns, axis=1))
-            labels.append(label)
-    if not in_data:
+                _ts_header(head, line, lineno, fail)
+            elif line and not line.startswith("#"):
+                cases.append(_ts_case(head, line, lineno, fail, len(cases[0][0]) if cases else None))
+    if "@data" not in head:
         raise fail(lineno, "end of file without a @data line")
-    if not seqs:
+    if not cases:
         raise fail(lineno, "no cases after @data")
-    return seqs, labels
+    return [seq for seq, _ in cases], [label for _, label in cases]
+
+
+def _ts_header(head: dict, line: str, lineno: int, fail) -> None:
+    """Take the header line ``line`` (``@…``) into ``head``, the header's values by lower-case tag."""
+    tag, *args = line.split()
+    key, given, truth = tag.lower(), " ".join(args), args[0].lower() if args else None
+    if "@data" in head:
+        raise fail(lineno, f"header {tag} after @data")
+    if key not in _TS_TAGS:
+        raise fail(lineno, f"unknown header {tag}; known: @problemName, @timeStamps, @missing, "
+                           "@univariate, @dimensions, @equalLength, @seriesLength, @classLabel, @data")
+    if key in _TS_BOOLEAN_TAGS:
+        if len(args) != 1 or truth not in ("true", "false"):
+            raise fail(lineno, f"{tag} must be followed by true or false, got {given!r}")
+        head[key] = truth == "true"
+        if key == "@timestamps" and head[key]:
+            raise fail(lineno, "@timeStamps true is not supported; allowed: @timeStamps false")
+        if key == "@univariate" and head[key]:
+            if head.get("@dimensions") not in (None, 1):
+                raise fail(lineno, f"@univariate true contradicts @dimensions {head['@dimensions']}")
+            head["@dimensions"] = 1
+    elif key == "@dimensions":
+        if len(args) != 1 or not args[0].isdigit() or int(args[0]) < 1:
+            raise fail(lineno, f"@dimensions must be followed by an integer ≥ 1, got {given!r}")
+        if head.get("@univariate") and int(args[0]) != 1:
+            raise fail(lineno, f"@dimensions {args[0]} contradicts @univariate true")
+        head[key] = int(args[0])
+    elif key == "@classlabel":
+        if truth not in ("true", "false"):
+            raise fail(lineno, f"@classLabel must be followed by true or false, got {given!r}")
+        if truth == "false":
+            raise fail(lineno, "@classLabel false: only classification files are supported")
+        if len(args) < 2:
+            raise fail(lineno, "@classLabel true declares no labels")
+        head[key] = args[1:]
+    elif key == "@targetlabel":
+        raise fail(lineno, "@targetLabel (regression) is not supported; only classification files")
+    elif key == "@data":
+        if "@classlabel" not in head:
+            raise fail(lineno, "@data before any @classLabel true line")
+        head[key] = True  # (@problemName and @seriesLength carry nothing needed here)
+
+
+def _ts_case(head: dict, line: str, lineno: int, fail, first: int | None) -> tuple[np.ndarray, str]:
+    """A case line's sequence (L, C) and label, checked against the header and the ``first`` case's length."""
+    if "@data" not in head:
+        raise fail(lineno, "data before the @data line")
+    *dims, label = line.split(":")
+    label = label.strip()
+    if not dims:
+        raise fail(lineno, "expected the dimensions and a class label separated by ':'")
+    n_dims = head.setdefault("@dimensions", len(dims))  # no header said: the first case decides
+    if len(dims) != n_dims:
+        raise fail(lineno, f"{len(dims)} dimensions; expected {n_dims}")
+    if label not in (classes := head["@classlabel"]):
+        raise fail(lineno, f"class label {label!r} is not declared in @classLabel ({' '.join(classes)})")
+    columns = [_ts_values(text, d, lineno, fail) for d, text in enumerate(dims)]
+    lengths = [len(c) for c in columns]
+    if len(set(lengths)) > 1:
+        raise fail(lineno, f"dimensions of unequal lengths {lengths}; all dimensions of a case "
+                           "must have the same length")
+    if head.get("@equallength") and first is not None and lengths[0] != first:
+        raise fail(lineno, f"length {lengths[0]} differs from the first case's {first} under @equalLength true")
+    return np.stack(columns, axis=1), label
 
 
 def _ts_values(text: str, d: int, lineno: int, fail) -> np.ndarray:

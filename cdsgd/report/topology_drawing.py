@@ -4,6 +4,7 @@ matplotlib set-up every cdsgd figure shares (:mod:`cdsgd.report.plotting` draws 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from fractions import Fraction
 
 import networkx as nx
@@ -104,88 +105,156 @@ def _clear_layout(G: nx.Graph, clearance: float = 0.1) -> dict:
 def topology_figure(G: nx.Graph, W, *, title: str = ""):
     """The Figure of :func:`draw_topology`."""
     plt = pyplot()
+    d = _drawing(G, W)
+    size = min(12.0, 5.0 + 0.22 * d.n)
+    fig, ax = plt.subplots(figsize=(size, size + 0.5))
+    ax.set_aspect("equal")
+    stubs = _draw_edges(ax, d)
+    _draw_nodes(ax, d)
+    if d.label_edges:
+        _label_edges(ax, d, stubs)
+    ax.set_title(_caption(d, title), fontsize=10)
+    ax.set_axis_off()
+    ax.margins(0.06)
+    fig.tight_layout()
+    return fig
+
+
+@dataclass
+class _Drawing:
+    """A picture of a topology to draw: where each node sits, which edges are drawn how, and what is labelled."""
+
+    G: nx.Graph
+    W: np.ndarray
+    pos: dict
+    directed: bool  # drawn with arrows: a directed G, or an asymmetric W
+    D: nx.Graph  # the graph whose edges are drawn (G with both directions of each edge when W is asymmetric)
+    wrap: list  # a torus' wrap-around edges: drawn as stubs
+    edges: list  # the other edges of D
+    weights: np.ndarray  # W[j, i] of each edge i -> j of D
+    selfs: np.ndarray
+    dense: bool  # edges drawn thin and transparent
+    uniform: bool  # every edge weight the same: said once, not on each edge
+    label_edges: bool
+    label_self: bool
+
+    @property
+    def n(self) -> int:
+        """The number of nodes."""
+        return self.G.number_of_nodes()
+
+    @property
+    def m(self) -> int:
+        """The number of edges of G."""
+        return self.G.number_of_edges()
+
+    @property
+    def node_size(self) -> int:
+        """The nodes' size (matplotlib's, in points²)."""
+        return 700 if self.n <= 32 else 250 if self.n <= 64 else 60
+
+    @property
+    def rad(self) -> float:
+        """The curvature of the arrows (both of an edge are drawn apart), 0 for undirected edges."""
+        return 0.12 if self.directed else 0.0
+
+
+def _drawing(G: nx.Graph, W) -> _Drawing:
+    """The picture of ``G`` and its mixing weights ``W`` to draw."""
     W = W.toarray() if hasattr(W, "toarray") else np.asarray(W, dtype=float)
     n = G.number_of_nodes()
-    shape = G.graph.get("shape")
-    if shape:
-        cols = shape[1]
-        pos = {i: np.array([i % cols, -(i // cols)], dtype=float) for i in G.nodes}
-    elif len({d for _, d in G.degree()}) == 1:
-        pos = nx.circular_layout(G)
-    else:
-        pos = _clear_layout(G)
+    pos = _positions(G)
     # an arrow i -> j carries W[j, i], the share of i's value that j receives; an undirected edge with
     # W[i, j] != W[j, i] (push_sum on an irregular graph) is drawn as two arrows
     directed = G.is_directed() or not np.allclose(W, W.T)
     D = G.to_directed() if directed and not G.is_directed() else G
+    shape = G.graph.get("shape")
     wrap = [(i, j) for i, j in D.edges() if shape and np.abs(pos[i] - pos[j]).sum() > 1.5]
-    edges = [e for e in D.edges() if e not in wrap]
     weights = np.array([W[j, i] for i, j in D.edges()]) if D.number_of_edges() else np.zeros(1)
     selfs = np.diag(W)
     m = G.number_of_edges()
     dense = n > 16 and m > 4 * n
     uniform = np.ptp(weights) <= 1e-12 * max(1.0, weights.max())
-    label_edges = not uniform and not dense and n <= 32 and m <= 80
-    label_self = n <= 32 and np.ptp(selfs) > 1e-12
+    return _Drawing(G, W, pos, directed, D, wrap, [e for e in D.edges() if e not in wrap], weights, selfs, dense,
+                    uniform, label_edges=not uniform and not dense and n <= 32 and m <= 80,
+                    label_self=n <= 32 and np.ptp(selfs) > 1e-12)
 
-    size = min(12.0, 5.0 + 0.22 * n)
-    fig, ax = plt.subplots(figsize=(size, size + 0.5))
-    ax.set_aspect("equal")
-    node_size = 700 if n <= 32 else 250 if n <= 64 else 60
-    rad = 0.12 if directed else 0.0
-    nx.draw_networkx_edges(D, pos, ax=ax, edgelist=edges, edge_color="0.35" if dense else "0.5",
-                           width=0.4 if dense else 1.2, alpha=0.15 if dense else 1.0, node_size=node_size,
-                           **(dict(arrows=True, arrowsize=12, connectionstyle=f"arc3,rad={rad}") if directed else {}))
+
+def _positions(G: nx.Graph) -> dict:
+    """Each node's place: on its grid (``G.graph["shape"]``), on a circle when all degrees are equal, else spread."""
+    shape = G.graph.get("shape")
+    if shape:
+        cols = shape[1]
+        return {i: np.array([i % cols, -(i // cols)], dtype=float) for i in G.nodes}
+    if len({d for _, d in G.degree()}) == 1:
+        return nx.circular_layout(G)
+    return _clear_layout(G)
+
+
+def _draw_edges(ax, d: _Drawing) -> list:
+    """The stubs drawn for the wrap-around edges, (end node, tip, weight), once every edge is drawn on ``ax``."""
+    nx.draw_networkx_edges(d.D, d.pos, ax=ax, edgelist=d.edges, edge_color="0.35" if d.dense else "0.5",
+                           width=0.4 if d.dense else 1.2, alpha=0.15 if d.dense else 1.0, node_size=d.node_size,
+                           **(dict(arrows=True, arrowsize=12, connectionstyle=f"arc3,rad={d.rad}") if d.directed
+                              else {}))
     stubs = []  # a torus' wrap-around edge: a dashed stub leaving each end outwards
-    for i, j in wrap:
-        axis = 0 if pos[i][1] == pos[j][1] else 1  # a row's or a column's two ends
-        lo, hi = sorted((i, j), key=lambda v: pos[v][axis])
+    for i, j in d.wrap:
+        axis = 0 if d.pos[i][1] == d.pos[j][1] else 1  # a row's or a column's two ends
+        lo, hi = sorted((i, j), key=lambda v: d.pos[v][axis])
         out = 0.45 * np.eye(2)[axis]
-        for end, tip in ((lo, pos[lo] - out), (hi, pos[hi] + out)):
-            ax.plot(*zip(pos[end], tip), linestyle="--", color="0.5", zorder=1)
-            stubs.append((end, tip, W[j, i]))
-    nodes = nx.draw_networkx_nodes(G, pos, ax=ax, node_color="#9ecae1", node_size=node_size)
+        for end, tip in ((lo, d.pos[lo] - out), (hi, d.pos[hi] + out)):
+            ax.plot(*zip(d.pos[end], tip), linestyle="--", color="0.5", zorder=1)
+            stubs.append((end, tip, d.W[j, i]))
+    return stubs
+
+
+def _draw_nodes(ax, d: _Drawing) -> None:
+    """Draw the nodes on ``ax``, with their numbers (and self weights, when labelled) up to 64 nodes."""
+    nodes = nx.draw_networkx_nodes(d.G, d.pos, ax=ax, node_color="#9ecae1", node_size=d.node_size)
     nodes.set_zorder(3)
-    if n <= 64:
-        text = {i: f"{i}\n{selfs[i]:.2f}" if label_self else str(i) for i in G.nodes}
-        for t in nx.draw_networkx_labels(G, pos, ax=ax, labels=text, font_size=8 if n <= 32 else 6).values():
+    if d.n <= 64:
+        text = {i: f"{i}\n{d.selfs[i]:.2f}" if d.label_self else str(i) for i in d.G.nodes}
+        for t in nx.draw_networkx_labels(d.G, d.pos, ax=ax, labels=text, font_size=8 if d.n <= 32 else 6).values():
             t.set_zorder(4)
+
+
+def _label_edges(ax, d: _Drawing, stubs) -> None:
+    """Write each edge's weight on ``ax``, where the edge is clear of nodes and other labels, and each stub's."""
     box = dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85)
-    if label_edges:
-        def path(i, j):
-            p, q = pos[i], pos[j]
-            c = (p + q) / 2 + rad * np.array([q[1] - p[1], p[0] - q[0]])  # matplotlib's arc3 control point
-            return lambda t: (1 - t) ** 2 * p + 2 * t * (1 - t) * c + t ** 2 * q
 
-        spots = _edge_label_spots([path(i, j) for i, j in edges], np.array([pos[v] for v in G.nodes]))
-        for (i, j), xy in zip(edges, spots):
-            d = pos[j] - pos[i]
-            angle = np.degrees(np.arctan2(d[1], d[0]))
-            angle = angle - 180 if angle > 90 else angle + 180 if angle <= -90 else angle
-            ax.text(*xy, f"{W[j, i]:.3g}", fontsize=7, ha="center", va="center", rotation=angle,
-                    rotation_mode="anchor", bbox=box, zorder=5, gid="edge weight")
-        for end, tip, w in stubs:
-            ax.text(*tip, f"{w:.3g}", fontsize=7, ha="center", va="center", bbox=box, zorder=5, gid="edge weight")
+    def path(i, j):
+        p, q = d.pos[i], d.pos[j]
+        c = (p + q) / 2 + d.rad * np.array([q[1] - p[1], p[0] - q[0]])  # matplotlib's arc3 control point
+        return lambda t: (1 - t) ** 2 * p + 2 * t * (1 - t) * c + t ** 2 * q
 
-    arrow = "arrow i→j: W[j, i], the share of i's value j receives" if directed else "edge i–j: W[i, j]"
+    spots = _edge_label_spots([path(i, j) for i, j in d.edges], np.array([d.pos[v] for v in d.G.nodes]))
+    for (i, j), xy in zip(d.edges, spots):
+        e = d.pos[j] - d.pos[i]
+        angle = np.degrees(np.arctan2(e[1], e[0]))
+        angle = angle - 180 if angle > 90 else angle + 180 if angle <= -90 else angle
+        ax.text(*xy, f"{d.W[j, i]:.3g}", fontsize=7, ha="center", va="center", rotation=angle,
+                rotation_mode="anchor", bbox=box, zorder=5, gid="edge weight")
+    for end, tip, w in stubs:
+        ax.text(*tip, f"{w:.3g}", fontsize=7, ha="center", va="center", bbox=box, zorder=5, gid="edge weight")
+
+
+def _caption(d: _Drawing, title: str) -> str:
+    """The picture's title: ``title``, then what the weights are and how they are shown."""
+    arrow = "arrow i→j: W[j, i], the share of i's value j receives" if d.directed else "edge i–j: W[i, j]"
     lines = [title] if title else []
-    if uniform:
-        lines.append(f"every {'arrow' if directed else 'edge'} weight {_spread(weights)}")
-    elif label_edges:
+    if d.uniform:
+        lines.append(f"every {'arrow' if d.directed else 'edge'} weight {_spread(d.weights)}")
+    elif d.label_edges:
         lines.append(f"{arrow} (labelled)")
     else:
-        lines.append(f"{arrow} from {_spread(weights)} (not labelled: {m} edges)")
-    lines[-1] += f"; self weight {_spread(selfs)}" + (" (second line in each node)" if label_self else
-                                                      "" if np.ptp(selfs) <= 1e-12 else " (not labelled)")
-    if dense:
-        lines.append(f"dense graph: {m} edges drawn thin and transparent")
-    if wrap:
+        lines.append(f"{arrow} from {_spread(d.weights)} (not labelled: {d.m} edges)")
+    lines[-1] += f"; self weight {_spread(d.selfs)}" + (" (second line in each node)" if d.label_self else
+                                                        "" if np.ptp(d.selfs) <= 1e-12 else " (not labelled)")
+    if d.dense:
+        lines.append(f"dense graph: {d.m} edges drawn thin and transparent")
+    if d.wrap:
         lines.append("dashed stubs: wrap-around edges (the two ends of each row and column are joined)")
-    ax.set_title("\n".join(lines), fontsize=10)
-    ax.set_axis_off()
-    ax.margins(0.06)
-    fig.tight_layout()
-    return fig
+    return "\n".join(lines)
 
 
 def draw_topology(G: nx.Graph, W, path: str | os.PathLike, *, title: str = "") -> None:

@@ -120,6 +120,28 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
     require([r.config for r in runs])  # data the runs need: one error before any folder exists
     out = output_folder(out, option="--out")
     threads = _threads_per_run(jobs)
+    todo, skipped = _to_run(runs, log)
+    log(f"cdsgd sweep: running {len(todo)} runs, {jobs} at a time, {threads} thread(s) each, in {out}")
+    processes = _Processes(threads)
+    try:
+        done, diverged, failed = _run_all(todo, jobs, processes, log)
+    finally:
+        if processes.stopping:
+            finished = len(skipped) + sum(_finished(r.folder, r.identity) for r in todo)
+            how = "stopped by SIGTERM" if processes.stopping == "term" else "interrupted"
+            log(stop_hint(out, finished, len(runs), how=how))
+    rows = collect(out)
+    log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(diverged)} diverged, {len(failed)} failed; "
+        f"{len(rows)} rows in {out / 'results.csv'}")
+    for name, msg in diverged:
+        log(f"  diverged: {name}: {msg}")
+    for name, msg in failed:
+        log(f"  failed: {name}: {msg}")
+    return {"done": done, "skipped": [r.folder.name for r in skipped], "diverged": diverged, "failed": failed}
+
+
+def _to_run(runs: list[SweepRun], log: Callable[[str], None]) -> tuple[list[SweepRun], list[SweepRun]]:
+    """(the runs to run, the runs already finished with the same config), the split logged."""
     todo, skipped, reruns, replaced = [], [], [], []
     for r in runs:
         if _finished(r.folder, r.identity):
@@ -134,37 +156,56 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
         log(f"cdsgd sweep: {len(skipped)} of {len(runs)} runs already finished (same config): skipped")
     for line in rerun_report(reruns, replaced, len(todo) - len(reruns) - len(replaced)):
         log(line)
-    log(f"cdsgd sweep: running {len(todo)} runs, {jobs} at a time, {threads} thread(s) each, in {out}")
-    failed, done, diverged = [], [], []
+    return todo, skipped
 
-    def one(r: SweepRun) -> tuple[SweepRun, bool, str, float]:
+
+class _Processes:
+    """The sweep's runs in progress, each a ``python -m cdsgd run`` process with ``threads`` threads."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.live: set[subprocess.Popen] = set()  # the runs in progress
+        self.lock = threading.Lock()
+        self.stopping: str | bool = False  # "term" or "int" once the sweep is stopped
+
+    def run(self, r: SweepRun) -> tuple[SweepRun, bool, str, float]:
+        """(the run, whether it succeeded, its last error line or its output, its seconds), once it has run."""
         r.folder.mkdir(parents=True, exist_ok=True)
         # the same run stopped half-way continues from its latest checkpoint (if it wrote any);
         # anything else in the folder is replaced
         cfg = Config(**{**r.config.__dict__, "overwrite": True, "resume": _same_run(r.folder, r.identity)})
         spec = r.folder / "sweep-config.toml"
         spec.write_text(dump_config(cfg))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
         t0 = time.perf_counter()
-        with lock:
-            if stopping:
+        with self.lock:
+            if self.stopping:
                 raise Terminated("the sweep was stopped before this run started")
             p = subprocess.Popen([sys.executable, "-m", "cdsgd", "run", str(spec), "--no-progress"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            live.add(p)
+            self.live.add(p)
         stdout, stderr = p.communicate()
-        with lock:
-            live.discard(p)
+        with self.lock:
+            self.live.discard(p)
         spec.unlink(missing_ok=True)
         (r.folder / "run.log").write_text(stdout + stderr)
         return r, p.returncode == 0, _last_error_line(stderr) if p.returncode else stdout.strip(), \
             time.perf_counter() - t0
 
-    live: set[subprocess.Popen] = set()  # the runs in progress
-    lock, stopping = threading.Lock(), False
+    def stop(self, e: KeyboardInterrupt) -> None:
+        """Start no more runs; on SIGTERM (``e`` a Terminated), pass it on to the runs in progress."""
+        with self.lock:
+            self.stopping = "term" if isinstance(e, Terminated) else "int"
+            for p in self.live if self.stopping == "term" else ():
+                p.terminate()
+
+
+def _run_all(todo: list[SweepRun], jobs: int, processes: _Processes, log: Callable[[str], None]) -> tuple:
+    """(the names of the runs done, (name, error) of those that diverged, of those that failed), once all have run."""
+    failed, done, diverged = [], [], []
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
-        futures = [pool.submit(one, r) for r in todo]
+        futures = [pool.submit(processes.run, r) for r in todo]
         for i, fut in enumerate(as_completed(futures), 1):
             r, ok, msg, secs = fut.result()
             name = r.folder.name
@@ -181,24 +222,11 @@ def run_sweep(runs: list[SweepRun], out: str | os.PathLike, *, jobs: int = 1,
         # SIGTERM reached the sweep alone (``kill PID``, a scheduler stopping the job's main process): pass it
         # on to the runs, which write their files and say "interrupted", rather than leave them running
         # without the sweep. (Ctrl-C reaches every process of the terminal's group by itself.)
-        with lock:
-            stopping = "term" if isinstance(e, Terminated) else "int"
-            for p in live if stopping == "term" else ():
-                p.terminate()
+        processes.stop(e)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # the runs in progress end (and write their files) first
-        if stopping:
-            finished = len(skipped) + sum(_finished(r.folder, r.identity) for r in todo)
-            log(stop_hint(out, finished, len(runs), how="stopped by SIGTERM" if stopping == "term" else "interrupted"))
-    rows = collect(out)
-    log(f"cdsgd sweep: {len(done)} done, {len(skipped)} skipped, {len(diverged)} diverged, {len(failed)} failed; "
-        f"{len(rows)} rows in {out / 'results.csv'}")
-    for name, msg in diverged:
-        log(f"  diverged: {name}: {msg}")
-    for name, msg in failed:
-        log(f"  failed: {name}: {msg}")
-    return {"done": done, "skipped": [r.folder.name for r in skipped], "diverged": diverged, "failed": failed}
+    return done, diverged, failed
 
 
 def collect(out: str | os.PathLike) -> list[dict]:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,60 +121,14 @@ def load_sweep(path: str | os.PathLike, out: str | os.PathLike, overrides: list[
     if set(given) & {"out", "overwrite", "resume"}:
         raise ValueError(f"{sorted(set(given) & {'out', 'overwrite', 'resume'})[0]}= is set per run by the sweep; "
                          "give the sweep folder with --out DIR")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"sweep file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise IsADirectoryError(f"sweep file {str(path)!r} is a folder, not a file") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"sweep file {str(path)!r} is not UTF-8 text (byte {e.start}: "
-                         f"{e.object[e.start:e.start + 1]!r})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
-    unknown = sorted(set(data) - _SWEEP_KEYS)
-    if unknown:
-        raise ValueError(f"sweep file {str(path)!r}: unknown table or key {unknown[0]!r}; "
-                         f"allowed: base, grid, zip, exclude")
-    base_file, base = None, {}
-    raw_base = data.get("base", {})
-    if isinstance(raw_base, str):
-        base_file = raw_base
-    elif isinstance(raw_base, dict):
-        base = dict(raw_base)
-        base_file = base.pop("file", None)
-        if base_file is not None and not isinstance(base_file, str):
-            raise ValueError(f"sweep base.file must be a config file path (a string), got {base_file!r}")
-    else:
-        raise ValueError(f"sweep 'base' must be a config file path or a table of config keys, got {raw_base!r}")
-    grid = data.get("grid", {})
-    if not isinstance(grid, dict):
-        raise ValueError("sweep 'grid' must be a table mapping config keys to lists")
-    grid = _dotted(grid)
-    dims: list[list[dict]] = [[{k: v} for v in _as_list("grid", k, vals)] for k, vals in grid.items()]
-    zips = _tables(data, "zip")
-    for number, z in enumerate(zips):
-        if not z:
-            raise ValueError(f"sweep zip group {number} is empty; give it keys with lists of one length")
-        lengths = {k: len(_as_list("zip", k, v)) for k, v in z.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"sweep zip group keys must have lists of one length, got {lengths}")
-        n = next(iter(lengths.values()))
-        dims.append([{k: z[k][i] for k in z} for i in range(n)])
+    data = _read_sweep_file(path)
+    base_file, base = _base(data)
+    dims = _dimensions(data)
     excludes = _tables(data, "exclude")
-    varying_keys: list[str] = []
-    for dim in dims:
-        for k in dim[0]:
-            if k in varying_keys:
-                raise ValueError(f"sweep key {k!r} appears in more than one grid/zip dimension")
-            varying_keys.append(k)
+    _check_disjoint(dims)
     runs, seen = [], {}
     out = Path(out)
-    for combo in itertools.product(*dims) if dims else [()]:
-        varying = {}
-        for part in combo:
-            varying.update(part)
-        varying = _override(varying, given)
+    for varying in _combinations(dims, given):
         cfg = load_config(base_file, [f"{k}={toml_value(v)}" for k, v in {**base, **varying}.items()] + list(overrides))
         if any(all(_setting(cfg, k) == v for k, v in ex.items()) for ex in excludes):
             continue
@@ -189,3 +144,77 @@ def load_sweep(path: str | os.PathLike, out: str | os.PathLike, overrides: list[
     if not runs:
         raise ValueError(f"sweep file {str(path)!r} expands to no run (everything excluded?)")
     return runs
+
+
+def _read_sweep_file(path: Path) -> dict:
+    """The tables of the sweep file ``path``, of the sweep's keys only (``base``, ``grid``, ``zip``, ``exclude``)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"sweep file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"sweep file {str(path)!r} is a folder, not a file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"sweep file {str(path)!r} is not UTF-8 text (byte {e.start}: "
+                         f"{e.object[e.start:e.start + 1]!r})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"sweep file {str(path)!r} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - _SWEEP_KEYS)
+    if unknown:
+        raise ValueError(f"sweep file {str(path)!r}: unknown table or key {unknown[0]!r}; "
+                         f"allowed: base, grid, zip, exclude")
+    return data
+
+
+def _base(data: dict) -> tuple[str | None, dict]:
+    """(the config file the runs start from or None, the config keys set on top of it) of the sweep's ``base``."""
+    base_file, base = None, {}
+    raw_base = data.get("base", {})
+    if isinstance(raw_base, str):
+        base_file = raw_base
+    elif isinstance(raw_base, dict):
+        base = dict(raw_base)
+        base_file = base.pop("file", None)
+        if base_file is not None and not isinstance(base_file, str):
+            raise ValueError(f"sweep base.file must be a config file path (a string), got {base_file!r}")
+    else:
+        raise ValueError(f"sweep 'base' must be a config file path or a table of config keys, got {raw_base!r}")
+    return base_file, base
+
+
+def _dimensions(data: dict) -> list[list[dict]]:
+    """The dimensions of the sweep, each a list of its points ({key: value}): the grid's keys, then the zip groups."""
+    grid = data.get("grid", {})
+    if not isinstance(grid, dict):
+        raise ValueError("sweep 'grid' must be a table mapping config keys to lists")
+    grid = _dotted(grid)
+    dims: list[list[dict]] = [[{k: v} for v in _as_list("grid", k, vals)] for k, vals in grid.items()]
+    zips = _tables(data, "zip")
+    for number, z in enumerate(zips):
+        if not z:
+            raise ValueError(f"sweep zip group {number} is empty; give it keys with lists of one length")
+        lengths = {k: len(_as_list("zip", k, v)) for k, v in z.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"sweep zip group keys must have lists of one length, got {lengths}")
+        n = next(iter(lengths.values()))
+        dims.append([{k: z[k][i] for k in z} for i in range(n)])
+    return dims
+
+
+def _check_disjoint(dims: list[list[dict]]) -> None:
+    """Refuse a key that more than one dimension of the grid varies."""
+    varying_keys: list[str] = []
+    for dim in dims:
+        for k in dim[0]:
+            if k in varying_keys:
+                raise ValueError(f"sweep key {k!r} appears in more than one grid/zip dimension")
+            varying_keys.append(k)
+
+
+def _combinations(dims: list[list[dict]], given: dict) -> Iterator[dict]:
+    """Each point of the grid, in order: its varying keys, the command line's overrides applied (:func:`_override`)."""
+    for combo in itertools.product(*dims) if dims else [()]:
+        varying = {}
+        for part in combo:
+            varying.update(part)
+        yield _override(varying, given)
