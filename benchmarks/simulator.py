@@ -137,7 +137,7 @@ def bench(name: str, n: int, steps: int, warmup: int, log) -> dict:
         sim = simulator(strategy)
         variants[strategy] = (sim.step, steps, n * steps)
         # the gradient part of a step alone (batches + forward/backward of all agents)
-        variants[strategy + "_grad"] = (lambda: sim.gradients.gradients(everyone, sim._batches(everyone)), steps,
+        variants[strategy + "_grad"] = (lambda: sim.gradients.gradients(everyone, sim.data.batches(everyone)), steps,
                                         n * steps)
 
     add("loop")

@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import compat as _compat
-
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: public name → the module that defines it (imported on first use)
 _HOMES = {
@@ -77,8 +75,6 @@ _HOMES = {
 }
 
 __all__ = ["__version__", *_HOMES]
-
-_compat.install()
 
 
 def __getattr__(name: str):

@@ -26,24 +26,28 @@ import dataclasses
 import math
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from topologies import unknown_name_error
 
-from .base.checks import (FEDAVG_FRACTION, LR, LR_POWER, LR_SCHEDULES, LR_TAU, MOMENTUM, WEIGHT_DECAY, Bounds,
-                          Choices, check_choice)
-from .base.compat import module_getattr
+from .base.checks import (FEDAVG_FRACTION, HYPER_DEFAULTS, LR, LR_POWER, LR_SCHEDULES, LR_TAU, MOMENTUM,
+                          WEIGHT_DECAY, Bounds, Choices, check_choice)
 
-__all__ = ["Config", "FAMILY_DEFAULTS", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges", "config_keys", "dump_config",
-           "family_defaults", "key", "key_info", "load_config", "parse_override", "resolve_config", "short_value",
-           "toml_value"]
+__all__ = ["ALGORITHMS_DEFAULT", "Config", "FAMILY_DEFAULTS", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges",
+           "config_keys", "dump_config", "family_defaults", "hyper_key", "key", "key_info", "load_config",
+           "parse_override", "resolve_config", "short_value", "toml_value"]
+
+#: where the default of an algorithm hyperparameter comes from (a key declared with :func:`hyper_key`)
+ALGORITHMS_DEFAULT = "every algorithm's default, cdsgd.base.checks.HYPER_DEFAULTS"
 
 
 
 def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), registry: str = "",
         bounds: Bounds | None = None, low: float | None = None, above: float | None = None, note: str = "",
-        unit: str = "", volatile: bool = False, identity: bool = False, unset: Any = None, overridden_by: str = ""):
+        unit: str = "", volatile: bool = False, identity: bool = False, unset: Any = None, overridden_by: str = "",
+        source: str = ""):
     """A config field with everything known about it, declared once, next to the field.
 
     ``help`` is the text of ``--help`` and docs; ``choices`` the allowed
@@ -58,7 +62,9 @@ def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), regis
     ``identity``: names the run in summaries; ``unset``: the value that
     means "not given" to the algorithm (None: every value is given);
     ``overridden_by``: another key that, when given, makes this one not
-    passed to the algorithm.
+    passed to the algorithm; ``source``: where the default comes from, when
+    it is not the config's own choice (``--help`` and ``--print-config`` say
+    it: e.g. :data:`ALGORITHMS_DEFAULT`, see :func:`hyper_key`).
     """
     if low is not None or above is not None:
         if bounds is not None or (low is not None and above is not None):
@@ -66,10 +72,16 @@ def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), regis
         bounds = Bounds(low=above if low is None else low, low_open=low is None, unit=unit, note=note)
     meta = {"help": help, "choices": choices if isinstance(choices, Choices) else tuple(choices),
             "registry": registry, "bounds": bounds, "volatile": volatile, "identity": identity, "unset": unset,
-            "overridden_by": overridden_by}
-    if isinstance(default, dict):
+            "overridden_by": overridden_by, "source": source}
+    if isinstance(default, Mapping):
         return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def hyper_key(name: str, help: str, **meta):
+    """The config key of algorithm hyperparameter ``name``: :func:`key` with the algorithms' own default
+    (:data:`~cdsgd.base.checks.HYPER_DEFAULTS`, declared once for every door), and says so (``source``)."""
+    return key(HYPER_DEFAULTS[name], help, source=ALGORITHMS_DEFAULT, **meta)
 
 
 @dataclass
@@ -127,30 +139,37 @@ class Config:
     # --- optimisation
     epochs: float = key(30.0, "epochs of ceil(mean shard size / batch_size) synchronous steps", above=0)
     batch_size: int = key(32, "per agent", low=1)
-    # the bounds and schedules below are the algorithms' own (cdsgd.base.checks), so that a bad value is refused
-    # here, before any run starts, with the message make_algorithm gives
-    lr: float = key(0.05, "step size α (α₀ when diminishing)", bounds=LR)
-    lr_schedule: str = key("constant", f"{LR_SCHEDULES}: α₀ / (1 + k/lr_tau)^lr_power", choices=LR_SCHEDULES)
-    lr_tau: float = key(1000.0, "τ of the diminishing schedule", bounds=LR_TAU)
-    lr_power: float = key(1.0, f"p of the diminishing schedule, {LR_POWER}", bounds=LR_POWER)
-    momentum: float = key(0.95, "μ for every algorithm that takes one (cdmsgd, dsgt, d2, qg_dsgdm, sgp, msgd, local)",
-                          bounds=MOMENTUM)
-    nesterov: bool = key(True, "Nesterov form (the paper's) or heavy ball")
-    weight_decay: float = key(0.0, "L2 coefficient λ", bounds=WEIGHT_DECAY)
+    # the bounds, schedules and defaults below are the algorithms' own (cdsgd.base.checks), so that a bad value is
+    # refused here, before any run starts, with the message make_algorithm gives, and a key left unset trains with
+    # the value make_algorithm, simulate and the optimizers default to (hyper_key). lr has no such default: the API
+    # doors need it given; 0.05 is the config's, the default job's (digits, MLP) step size
+    lr: float = key(0.05, "step size α (α₀ when diminishing)", bounds=LR,
+                    source="cdsgd run's own default; make_algorithm, simulate and the optimizers need lr given")
+    lr_schedule: str = hyper_key("lr_schedule", f"{LR_SCHEDULES}: α₀ / (1 + k/lr_tau)^lr_power",
+                                 choices=LR_SCHEDULES)
+    lr_tau: float = hyper_key("lr_tau", "τ of the diminishing schedule", bounds=LR_TAU)
+    lr_power: float = hyper_key("lr_power", f"p of the diminishing schedule, {LR_POWER}", bounds=LR_POWER)
+    momentum: float = hyper_key("momentum", "μ of every algorithm that takes one (all but cdsgd, sgd, fedavg)",
+                                bounds=MOMENTUM)
+    nesterov: bool = hyper_key("nesterov", "Nesterov form (the paper's) or heavy ball")
+    weight_decay: float = hyper_key("weight_decay", "L2 coefficient λ", bounds=WEIGHT_DECAY)
     grad_clip: float = key(0.0, "largest norm of each agent's gradient: g_j scaled by min(1, c/‖g_j‖₂) (0: off)",
                            low=0, note=" (0 means off)")
-    local_steps: int = key(0, "fedavg: local steps per round (0: use local_epochs)", low=0,
-                           note=" (0 means all/off)", unset=0)
-    local_epochs: int = key(1, "fedavg: local epochs per round", low=1, overridden_by="local_steps")
-    fedavg_fraction: float = key(1.0, "fedavg: fraction of agents sampled per round", bounds=FEDAVG_FRACTION)
+    local_steps: int = key(0, "fedavg: local steps per round (0: not given, use local_epochs)", low=0,
+                           note=" (0 means all/off)", unset=0, source=ALGORITHMS_DEFAULT + " (none, written 0)")
+    local_epochs: int = hyper_key("local_epochs", "fedavg: local epochs per round", low=1,
+                                  overridden_by="local_steps")
+    fedavg_fraction: float = hyper_key("fedavg_fraction", "fedavg: fraction of agents sampled per round",
+                                       bounds=FEDAVG_FRACTION)
     # --- communication-constrained rules (docs/algorithms.md: choco, beer, relaysum)
-    compression: str = key("none", "choco, beer: what each message is compressed with: none | top_k | random_k | "
-                           "sign | qsgd (docs/algorithms.md gives each one's bytes)", registry="compression",
-                           identity=True)
-    compression_params: dict = key({}, "compressor options, e.g. {ratio = 0.01} (top_k, random_k), "
-                                   "{levels = 16} (qsgd)")
-    consensus_step: float | str = key("auto", "choco, beer: the consensus step γ in (0, 1], or \"auto\": tuned before "
-                                      "training on a simulated consensus problem (the run says what it chose)")
+    compression: str = hyper_key("compression", "choco, beer: what each message is compressed with: none | top_k | "
+                                 "random_k | sign | qsgd (docs/algorithms.md gives each one's bytes)",
+                                 registry="compression", identity=True)
+    compression_params: dict = hyper_key("compression_params", "compressor options, e.g. {ratio = 0.01} (top_k, "
+                                         "random_k), {levels = 16} (qsgd); {}: the compressor's own defaults")
+    consensus_step: float | str = hyper_key("consensus_step", "choco, beer: the consensus step γ in (0, 1], or "
+                                            "\"auto\": tuned before training on a simulated consensus problem (the "
+                                            "run says what it chose)")
     # --- simulated network (docs/network.md)
     network: str = key("none", "simulated network clock: none | datacenter | lan | wan | edge (a preset), giving "
                        "metrics.csv's sim_seconds; network_params alone defines a custom one", identity=True)
@@ -285,6 +304,8 @@ def _apply(cfg: Config, key: str, value: Any) -> None:
 #: defaults of a model family: (family name, its models, {key: default}). A config file and ``key=value``
 #: overrides always win; a key they leave unset takes the family's default instead of the declared one. The
 #: recurrent models' defaults are the settings measured to learn (docs/sequences.md, "Settings that learn").
+#: A model-family matter, applied by the config alone (cdsgd run, launch, sweep): make_algorithm, simulate and
+#: the optimizers know no model family (lr is given there; batch_size and grad_clip are simulate's options).
 FAMILY_DEFAULTS = (
     ("recurrent", ("lstm", "gru", "pgru"), {"batch_size": 8, "lr": 0.3, "grad_clip": 1.0}),
 )
@@ -377,5 +398,3 @@ def dump_config(cfg: Config, taken: dict | None = None) -> str:
         lines.append(line)
     return "\n".join(lines) + "\n"
 
-
-__getattr__ = module_getattr(__name__)  # old names (cdsgd.base.compat)

@@ -58,11 +58,15 @@ from topologies import Registry, unknown_name_error
 from .base.checks import check_int
 from .config import toml_value
 from .data.sequences import sequence_lengths
+from .mgrit import ParallelGRU
 
-__all__ = ["MODELS", "SequenceClassifier", "build_model", "check_model_options", "has_convolutions",
+__all__ = ["MODELS", "STAT_PROVIDERS", "SequenceClassifier", "build_model", "check_model_options", "has_convolutions",
            "import_callable", "is_import_path", "model_options", "n_parameters", "vmap_blockers"]
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+
+#: module classes whose statistics reach metrics.csv (the hook :class:`cdsgd.executor.meters.ModelStats` reads)
+STAT_PROVIDERS: tuple[type, ...] = (ParallelGRU,)
 
 
 def _dense_head(features: nn.Module, input_shape, widths: Sequence[int], n_classes: int,
@@ -388,7 +392,6 @@ class SequenceClassifier(nn.Module):
                 raise ValueError(f"model option {key} must be true or false, got {value!r}")
         self.cell, self.packed, self.trim = cell, packed, trim
         if cell == "pgru":  # the implicit GRU of cdsgd.mgrit, serial or solved by MGRIT over time
-            from .mgrit import ParallelGRU
 
             if layers != 1 or packed:
                 raise ValueError(f"model 'pgru' is one layer and not packed, got layers={layers}, packed={packed}")

@@ -232,7 +232,7 @@ def interrupt_at(monkeypatch):
     """``interrupt_at(k)``: the simulator raises KeyboardInterrupt (as Ctrl-C would) when about to take step k,
     ``k`` a step number or a function of the simulator; ``interrupt_at(k, error)`` raises ``error`` instead;
     ``monkeypatch.undo()`` lets runs go on again."""
-    from cdsgd.executor import Simulator
+    from cdsgd.executor import Executor as Simulator  # the class whose step a run calls
 
     real = Simulator.step
 

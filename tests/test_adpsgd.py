@@ -16,6 +16,7 @@ from torch import nn
 import topologies
 from cdsgd import cli
 from cdsgd.algorithms import make_algorithm
+from cdsgd.base.checks import HYPER_DEFAULTS
 from cdsgd.base.seeding import derive_seed
 from cdsgd.config import load_config
 from cdsgd.executor import Executor
@@ -44,12 +45,12 @@ def _model():
 
 def _executor(W, shards, *, network=None, seed=0, loss_fn=nn.functional.mse_loss, **hyper):
     hyper = {"lr": 0.05, **hyper}
-    return AsyncExecutor(_model, shards, W, "adpsgd", batch_size=ROWS, seed=seed, loss_fn=loss_fn,
+    return AsyncExecutor.build(_model, shards, W, "adpsgd", batch_size=ROWS, seed=seed, loss_fn=loss_fn,
                          network=network, init="independent", **hyper)
 
 
-def _reference(X0, shards, W, *, steps, seed, compute, tau, latency, lr, momentum=0.0, nesterov=True,
-               weight_decay=0.0):
+def _reference(X0, shards, W, *, steps, seed, compute, tau, latency, lr, momentum=HYPER_DEFAULTS["momentum"],
+               nesterov=True, weight_decay=0.0):
     """AD-PSGD written out agent by agent (numpy): the module docstrings' time model and update, nothing shared."""
     n = len(shards)
     W = np.asarray(W)
@@ -87,7 +88,7 @@ NET = {"bandwidth_mbps": 0.064, "latency_ms": 2.0, "compute_ms": 10.0}  # 3 floa
 
 
 @pytest.mark.parametrize("graph,n,net,hyper", [
-    ("ring", 5, None, {}),
+    ("ring", 5, None, {"momentum": 0.0}),
     ("ring", 5, {**NET, "stragglers": 0.4, "straggler_slowdown": 2.5}, {"momentum": 0.9}),
     ("path", 4, {**NET, "stragglers": 0.25}, {"momentum": 0.5, "nesterov": False, "weight_decay": 0.01}),
     ("complete", 4, {"bandwidth_mbps": 1.0, "latency_ms": 0.0, "compute_ms": 3.0, "stragglers": 0.5}, {}),
@@ -251,18 +252,18 @@ def test_bad_executor_inputs_are_refused():
     W = topologies.mixing_matrix(topologies.build("ring", 3))
     shards = _problem(3)
     with pytest.raises(ValueError, match=r"asynchronous: it runs one gradient application at a time"):
-        Executor(_model, shards, W, "adpsgd", lr=0.1, batch_size=ROWS, loss_fn=nn.functional.mse_loss).step()
+        Executor.build(_model, shards, W, "adpsgd", lr=0.1, batch_size=ROWS, loss_fn=nn.functional.mse_loss).step()
     with pytest.raises(ValueError, match=r"AsyncExecutor runs the asynchronous rules \(adpsgd\), not 'cdmsgd'"):
-        AsyncExecutor(_model, shards, W, "cdmsgd", lr=0.1, batch_size=ROWS)
+        AsyncExecutor.build(_model, shards, W, "cdmsgd", lr=0.1, batch_size=ROWS)
     with pytest.raises(ValueError, match=r"network must be a NetworkSpec or None.*got str"):
-        AsyncExecutor(_model, shards, W, "adpsgd", lr=0.1, batch_size=ROWS, network="edge")
+        AsyncExecutor.build(_model, shards, W, "adpsgd", lr=0.1, batch_size=ROWS, network="edge")
     one_way = 0.5 * np.eye(3) + 0.5 * np.roll(np.eye(3), 1, axis=1)  # doubly stochastic, a directed ring
     with pytest.raises(ValueError, match=r"W\[0, 1\] = 0.5 but W\[1, 0\] = 0"):  # the matrix's validation
-        AsyncExecutor(_model, shards, one_way, "adpsgd", lr=0.1, batch_size=ROWS)
+        AsyncExecutor.build(_model, shards, one_way, "adpsgd", lr=0.1, batch_size=ROWS)
     with pytest.raises(ValueError, match=r"both ways, but W\[0, 1\] ≠ 0 and W\[1, 0\] = 0"):  # the rule's own
-        AsyncExecutor(_model, shards, MatrixMixer(one_way, validate=False), "adpsgd", lr=0.1, batch_size=ROWS)
+        AsyncExecutor.build(_model, shards, MatrixMixer(one_way, validate=False), "adpsgd", lr=0.1, batch_size=ROWS)
     with pytest.raises(ValueError, match=r"agent 2 has no neighbour"):
-        AsyncExecutor(_model, shards, MatrixMixer([[0.5, 0.5, 0], [0.5, 0.5, 0], [0, 0, 1.0]], validate=False),
+        AsyncExecutor.build(_model, shards, MatrixMixer([[0.5, 0.5, 0], [0.5, 0.5, 0], [0, 0, 1.0]], validate=False),
                       "adpsgd", lr=0.1, batch_size=ROWS)
     with pytest.raises(ValueError, match=r"algorithm 'adpsgd' takes no hyperparameter 'consensus_step'"):
         make_algorithm("adpsgd", lr=0.1, consensus_step=0.5)

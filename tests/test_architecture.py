@@ -203,39 +203,35 @@ def test_the_front_offers_the_public_names_lazily():
     assert front == "[]" and "torch" not in cli and "matplotlib" not in cli, out.stdout
 
 
-def test_old_paths_and_names_work_and_warn():
-    """Every entry of cdsgd.base.compat's tables resolves to the new object, with a DeprecationWarning."""
+#: the module paths of the layout before the layer packages (see CHANGELOG.md, 0.2.0); none imports
+OLD_MODULE_PATHS = [
+    "cdsgd.simulator", "cdsgd.mixing", "cdsgd.checks", "cdsgd.seeding", "cdsgd.files", "cdsgd.flat", "cdsgd.comm",
+    "cdsgd.plan", "cdsgd.experiment", "cdsgd.checkpoint", "cdsgd.logger", "cdsgd.progress", "cdsgd.sweep",
+    "cdsgd.plotting", "cdsgd.topology_drawing", "cdsgd.export", "cdsgd.cli_topo", "cdsgd.cli_export",
+    "cdsgd.launch",
+]
+
+
+def test_old_paths_and_names_are_gone():
+    """No compatibility layer: every old module path raises ModuleNotFoundError, the old names are no
+    attributes, and ``import cdsgd`` installs no import hook."""
     import importlib
     import sys
-    import warnings
 
-    from cdsgd.base import compat
+    import cdsgd
+
+    for old in OLD_MODULE_PATHS:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    assert not [f for f in sys.meta_path if type(f).__module__.split(".")[0] == cdsgd.__name__], sys.meta_path
+    for module, name in [("cdsgd.config", "_toml_value"), ("cdsgd.algorithms", "check_int"),
+                         ("cdsgd.algorithms", "check_lr"), ("cdsgd.algorithms", "check_momentum"),
+                         ("cdsgd.algorithms", "check_weight_decay"), ("cdsgd.cli", "free_port"),
+                         ("cdsgd.cli", "launch_argv"), ("cdsgd.cli", "describe_launch_failure")]:
+        assert not hasattr(importlib.import_module(module), name), (module, name)
     from cdsgd.mixers import MatrixMixer
-
-    for old, targets in compat.MOVED_MODULES.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=targets[0]):
-            module = importlib.import_module(old)
-        new = importlib.import_module(targets[0])
-        for name in getattr(new, "__all__", [])[:5]:
-            assert getattr(module, name) is getattr(new, name), (old, name)
-    from cdsgd.simulator import ParamLayout, simulate  # the documented old path, both of its homes
-    from cdsgd.base.flat import ParamLayout as new_layout
-    from cdsgd.executor import simulate as new_simulate
-    assert ParamLayout is new_layout and simulate is new_simulate
-    for (module, name), target in compat.MOVED_NAMES.items():
-        with pytest.warns(DeprecationWarning, match=name):
-            value = getattr(importlib.import_module(module), name)
-        new_module, _, new_name = target.partition(":")
-        assert value is getattr(importlib.import_module(new_module), new_name)
     m = MatrixMixer(torch.full((4, 4), 0.25, dtype=torch.float64))
-    with pytest.warns(DeprecationWarning, match="Mixer.agents"):
-        assert m.rows == m.agents == [0, 1, 2, 3]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert m.agents == [0, 1, 2, 3]  # the new name does not warn
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        importlib.import_module("cdsgd.config").nothing
+    assert m.agents == [0, 1, 2, 3] and not hasattr(m, "rows")
 
 
 def test_the_api_page_names_every_public_name():

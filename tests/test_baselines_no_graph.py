@@ -69,7 +69,7 @@ def test_baselines_train_as_torch_sgd_on_one_and_two_agents(tmp_path, alg, n):
     assert summary["status"] == "completed" and summary["steps_per_epoch"] == 1
     parts = prepare(cfg)
     assert [len(y) for _, y in parts.shards] == [SAMPLES // n] * n
-    x0 = Executor(parts.model_fn, parts.shards, None, alg, seed=cfg.seed, init=cfg.init, lr=LR).X.clone()
+    x0 = Executor.build(parts.model_fn, parts.shards, None, alg, seed=cfg.seed, init=cfg.init, lr=LR).X.clone()
     got = torch.load(out / "params.pt")
     assert got.shape == x0.shape == (n, summary["n_parameters"])
     momentum = MU if alg in ("msgd", "local") else 0.0

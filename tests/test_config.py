@@ -165,7 +165,7 @@ def test_a_resolved_config_reads_back_unchanged(tmp_path):
     assert load_config(p) == cfg and resolve_config(p)[1] == {}
 
 
-def test_print_config_marks_the_values_taken_from_the_family(capsys):
+def test_print_config_marks_the_values_taken_from_the_family(capsys, tmp_path):
     from cdsgd import cli
 
     assert cli.main(["run", "dataset=plaid", "model=lstm", "lr=0.2", "--print-config"]) == 0
@@ -173,11 +173,21 @@ def test_print_config_marks_the_values_taken_from_the_family(capsys):
     lines = dict(line.split(" = ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert lines["batch_size"] == "8  # recurrent models' default (other models: 32)"
     assert lines["grad_clip"] == "1.0  # recurrent models' default (other models: 0.0)"
-    assert lines["lr"] == "0.2" and lines["momentum"] == "0.95"
+    assert lines["lr"] == "0.2"  # set: no comment
+    # a default names where it comes from: the algorithms' own declaration (one for every door)
+    assert lines["momentum"] == "0.95  # every algorithm's default, cdsgd.base.checks.HYPER_DEFAULTS"
     assert "# model 'lstm' takes the recurrent models' defaults (lstm, gru, pgru) for batch_size, grad_clip" in text
     assert cli.main(["run", "model=mlp", "--print-config"]) == 0
     text = capsys.readouterr().out
-    assert "default" not in text and "batch_size = 32\n" in text
+    assert "recurrent" not in text and "batch_size = 32\n" in text
+    assert "lr = 0.05  # cdsgd run's own default; make_algorithm, simulate and the optimizers need lr given\n" in text
+    assert load_config(overrides=[]) == load_config(_written(tmp_path, text))  # the comments are TOML comments
+
+
+def _written(tmp_path, text):
+    p = tmp_path / "printed.toml"
+    p.write_text(text)
+    return p
 
 
 def test_run_help_gives_the_family_defaults(capsys):
@@ -187,5 +197,10 @@ def test_run_help_gives_the_family_defaults(capsys):
         cli.main(["run", "--help"])
     text = capsys.readouterr().out
     for k, v in RECURRENT.items():
-        assert f"  {k} = {toml_value(_declared(k))} (lstm, gru, pgru: {toml_value(v)}): " in text
-    assert "  momentum = 0.95: " in text
+        source = f" [{key_info(k)['source']}]" if key_info(k)["source"] else ""
+        assert (f"  {k} = {toml_value(_declared(k))}{source} (lstm, gru, pgru: {toml_value(v)}, the recurrent "
+                "models' default): ") in text
+    # each algorithm hyperparameter's default says where it comes from; lr is the config's own
+    assert "  momentum = 0.95 [every algorithm's default, cdsgd.base.checks.HYPER_DEFAULTS]: " in text
+    assert "  lr = 0.05 [cdsgd run's own default; make_algorithm, simulate and the optimizers need lr given] (" in text
+    assert "  batch_size = 32 (" in text and "  seed = 0: " in text  # the config's own: no source

@@ -15,10 +15,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import topologies
-from cdsgd.executor import Simulator, gradients
+from cdsgd.executor import Executor, Simulator, gradients
 
 
-def _simulator(n: int, algorithm: str = "cdmsgd", **options) -> Simulator:
+def _simulator(n: int, algorithm: str = "cdmsgd", **options) -> Executor:
     g = torch.Generator().manual_seed(n)
     shards = [(torch.randn(16, 24, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
     W = topologies.mixing_matrix(topologies.build("ring", n), sparse=True)
@@ -26,7 +26,7 @@ def _simulator(n: int, algorithm: str = "cdmsgd", **options) -> Simulator:
                      batch_size=4, lr=0.05, **options)
 
 
-def _largest_allocation(sim: Simulator) -> int:
+def _largest_allocation(sim: Executor) -> int:
     """The most bytes one operation of a steady-state step allocated (net, as the profiler counts it)."""
     for _ in range(2):
         sim.step()  # the rule's and the mixer's own buffers are made at the first step
@@ -48,7 +48,7 @@ def test_no_allocation_of_a_step_grows_with_the_number_of_agents(monkeypatch, al
 def test_the_stacks_keep_their_memory_from_step_to_step():
     sim = _simulator(40)
     sim.step()
-    buffers = {"X": sim.X, "G": sim._G, **{f"state {k}": v for k, v in sim.state.items()}}
+    buffers = {"X": sim.X, "G": sim.gradients.G, **{f"state {k}": v for k, v in sim.state.items()}}
     before = {k: v.data_ptr() for k, v in buffers.items()}
     for _ in range(3):
         sim.step()
@@ -62,9 +62,9 @@ def _rows_flagged(values: list[list[float]]) -> list[bool]:
         sim.X.zero_()
         for i, row in enumerate(values):
             sim.X[i, :len(row)] = torch.tensor(row)
-    sim.k = 1  # as after a first step, which notes a row with k = 1
-    sim._check_finite(list(range(len(values))), torch.zeros(len(values)))  # finite losses: parameters decide
-    return (sim._nonfinite[:, 0] > 0).tolist()
+    watch = sim.meters.nonfinite  # as after a first step, which notes a row with k = 1; finite losses: parameters decide
+    watch.check(list(range(len(values))), torch.zeros(len(values), dtype=torch.float64), sim.X, 1)
+    return (watch.first[:, 0] > 0).tolist()
 
 
 def test_nonfinite_parameter_rows_are_found_without_isfinite_of_the_stack():

@@ -43,11 +43,11 @@ def _manual(X: torch.Tensor, batches, c: float) -> torch.Tensor:
 
 
 def _computed(strategy: str, c: float):
-    ex = Executor(_model, _shards(), None, "sgd", lr=0.1, batch_size=B, strategy=strategy, grad_clip=c)
+    ex = Executor.build(_model, _shards(), None, "sgd", lr=0.1, batch_size=B, strategy=strategy, grad_clip=c)
     assert ex.strategy == strategy
-    batches = ex._batches(list(range(N)))
+    batches = ex.data.batches(list(range(N)))
     ex.gradients.gradients(list(range(N)), batches)
-    return ex.X.clone(), batches, ex._G.clone().double()
+    return ex.X.clone(), batches, ex.gradients.G.clone().double()
 
 
 @pytest.mark.parametrize("strategy", ["loop", "vmap"])
@@ -68,9 +68,9 @@ def test_clipped_gradients_match_a_manual_computation(strategy, c):
 
 def test_zero_is_a_no_op_and_strategies_agree():
     _, _, plain = _computed("loop", 0.0)
-    ex = Executor(_model, _shards(), None, "sgd", lr=0.1, batch_size=B, strategy="loop")
-    ex.gradients.gradients(list(range(N)), ex._batches(list(range(N))))
-    assert torch.equal(plain, ex._G.double())  # grad_clip=0 is bit for bit the default
+    ex = Executor.build(_model, _shards(), None, "sgd", lr=0.1, batch_size=B, strategy="loop")
+    ex.gradients.gradients(list(range(N)), ex.data.batches(list(range(N))))
+    assert torch.equal(plain, ex.gradients.G.double())  # grad_clip=0 is bit for bit the default
     for c in (0.5, 1.0):
         torch.testing.assert_close(_computed("loop", c)[2], _computed("vmap", c)[2], rtol=1e-5, atol=1e-6)
 
@@ -85,7 +85,7 @@ def test_clip_rows_by_hand():
 
 def test_the_update_sees_clipped_gradients():
     """One plain SGD step (no mixing) moves X by exactly −lr · the clipped gradients."""
-    ex = Executor(_model, _shards(), None, "local", lr=0.1, momentum=0.0, batch_size=B, strategy="loop",
+    ex = Executor.build(_model, _shards(), None, "local", lr=0.1, momentum=0.0, batch_size=B, strategy="loop",
                   grad_clip=0.5)
     X0 = ex.X.clone()
     batches = [(x[:B], y[:B]) for x, y in ex.shards]  # a full shard is one batch: order does not matter
@@ -96,4 +96,4 @@ def test_the_update_sees_clipped_gradients():
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "1"])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match="grad_clip must be a finite number >= 0"):
-        Executor(_model, _shards(), None, "sgd", lr=0.1, batch_size=B, grad_clip=bad)
+        Executor.build(_model, _shards(), None, "sgd", lr=0.1, batch_size=B, grad_clip=bad)

@@ -130,13 +130,13 @@ def test_make_mixer_takes_every_kind_of_input():
     P = topologies.mixing_matrix(topologies.build("directed_ring", 4), "push_sum")
     with pytest.raises(ValueError, match="symmetric"):
         make_mixer(P)  # a push-sum matrix is not doubly stochastic
-    sgp = make_mixer(P, algorithm=make_algorithm("sgp", lr=0.1))
+    sgp = make_mixer(P, column_stochastic=make_algorithm("sgp", lr=0.1).column_stochastic)
     Z = start_x0(4, 2)
     np.testing.assert_allclose(sgp.mix(Z).numpy(), np.asarray(P) @ Z.numpy(), atol=1e-14)
     with pytest.raises(ValueError, match="needs n_agents"):
         make_mixer(None)
-    with pytest.raises(ValueError, match="mixes with neighbours"):
-        make_mixer(None, n_agents=4, algorithm=make_algorithm("cdsgd", lr=0.1))
+    with pytest.raises(TypeError, match="algorithm"):  # the mixers layer knows no update rule
+        make_mixer(ring(4), algorithm=make_algorithm("cdsgd", lr=0.1))
 
 
 def test_a_torch_tensor_w_is_taken():
@@ -153,34 +153,72 @@ def test_matrix_mixer_names_the_factory_for_a_schedule():
 
 
 def test_rule_checks_the_matrix_of_a_ready_mixer():
-    """No door around validation: a rule refuses a matrix it would refuse, however the mixer was made."""
+    """No door around validation: a rule refuses a matrix it would refuse, however the mixer was made, where it
+    meets the mixer (init_state with the mixer, or check_mixer)."""
     X, G = start_x0(4, 2), torch.zeros(4, 2, dtype=torch.float64)
     # a W whose smallest eigenvalue is -1 (a 4-ring of weight 1/2, no self weight): D² refuses it as a matrix ...
     W = 0.5 * np.array([[0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0]], dtype=float)
     d2 = make_algorithm("d2", lr=0.1)
     with pytest.raises(ValueError, match="smallest eigenvalue"):
-        make_mixer(W, algorithm=d2)
-    # ... and as a ready mixer, when update is called directly
-    with pytest.raises(ValueError, match="smallest eigenvalue"):
-        d2.update(X.clone(), G, d2.init_state(X), k=0, mixer=MatrixMixer(W))
+        d2.check_mixing(W)
+    # ... and as a ready mixer, however it was built
+    for mixer in (MatrixMixer(W), make_mixer(W)):
+        with pytest.raises(ValueError, match="smallest eigenvalue"):
+            d2.init_state(X, mixer)
+        with pytest.raises(ValueError, match="smallest eigenvalue"):
+            d2.check_mixer(mixer)
     # a column-stochastic (not doubly stochastic) matrix behind validate=False cannot run cdsgd
     P = np.array([[1 / 3, 0, 1 / 2], [1 / 3, 1 / 2, 0], [1 / 3, 1 / 2, 1 / 2]])  # push-sum: 0→1, 0→2, 1→2, 2→0
     cd = make_algorithm("cdsgd", lr=0.1)
     with pytest.raises(ValueError, match="doubly stochastic"):
-        cd.update(X[:3].clone(), G[:3], {}, k=0, mixer=MatrixMixer(P, validate=False))
+        cd.init_state(X[:3], MatrixMixer(P, validate=False))
     sgp = make_algorithm("sgp", lr=0.1)  # while push-sum takes it
-    sgp.update(X[:3].clone(), G[:3], sgp.init_state(X[:3]), k=0, mixer=MatrixMixer(P, validate=False))
+    mixer = MatrixMixer(P, validate=False)
+    sgp.update(X[:3].clone(), G[:3], sgp.init_state(X[:3], mixer), k=0, mixer=mixer)
     # rows summing to 1 but columns not: refused too
     R = np.array([[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0, 0.5, 0.5, 0], [0, 0, 0.5, 0.5]])
     with pytest.raises(ValueError, match="doubly stochastic"):
-        cd.update(X.clone(), G, {}, k=0, mixer=MatrixMixer(R, validate=False))
-    # a schedule refused by d2 through a phase of a ready ScheduleMixer
+        cd.check_mixer(MatrixMixer(R, validate=False))
+    # a schedule refused by d2, as a whole ScheduleMixer or through one of its steps
     S = make_mixer(topologies.schedule("one_peer_exponential", 4))
-    with pytest.raises(ValueError, match="time-varying"):
-        make_algorithm("d2", lr=0.1).update(X.clone(), G, d2.init_state(X), k=0, mixer=S.at(0))
-    # the accepted case still runs: one cdsgd step with zero gradients is W X
-    ok = MatrixMixer(ring(4), validate=False)
-    np.testing.assert_allclose(cd.update(X.clone(), G, {}, k=0, mixer=ok).numpy(), ring(4) @ X.numpy(), atol=1e-14)
+    for mixer in (S, S.at(1)):
+        with pytest.raises(ValueError, match="time-varying"):
+            d2.init_state(X, mixer)
+    # a mixer whose matrix is unknown (all-reduce, a user's own) is taken on trust
+    assert make_algorithm("sgd", lr=0.1).check_mixer(make_mixer(None, n_agents=4)).matrix is None
+
+
+def test_a_rule_checks_its_mixer_once_not_every_step_and_writes_nothing_into_it(monkeypatch):
+    """The check runs where rule and mixer meet (init_state); update only mixes, and leaves the mixer as it was."""
+    calls = []
+    X = start_x0(6, 3)
+    W = topologies.mixing_matrix(topologies.build("ring", 6), "lazy_metropolis")
+    for name in ("cdsgd", "cdmsgd", "dsgt", "d2", "qg_dsgdm", "sgp"):
+        alg, mixer = make_algorithm(name, lr=0.1), make_mixer(W)
+        check = alg.check_mixing
+        monkeypatch.setattr(alg, "check_mixing", lambda W, check=check, name=name: calls.append(name) or check(W))
+        before = dict(vars(mixer))
+        state = alg.init_state(X, mixer)
+        for k in range(3):
+            alg.update(X.clone(), X - 1.0, state, k=k, mixer=mixer)
+        assert calls == [name], name
+        assert vars(mixer).keys() == before.keys(), name  # no bookkeeping of the rule's in the mixer
+        calls.clear()
+
+
+def test_a_user_loop_may_hand_update_a_whole_schedule_mixer():
+    """update mixes with W_k of a ScheduleMixer at step k: cdsgd's x ← W_k x − α g, against the matrices."""
+    S = topologies.schedule("one_peer_exponential", 8)
+    mixer = make_mixer(S)
+    alg = make_algorithm("cdsgd", lr=0.1)
+    X = start_x0(8, 3)
+    B = start_x0(8, 3).flip(0)
+    state = alg.init_state(X, mixer)
+    want = X.numpy().copy()
+    for k in range(5):
+        alg.update(X, X - B, state, k=k, mixer=mixer)
+        want = np.asarray(S[k % len(S)], dtype=np.float64) @ want - 0.1 * (want - B.numpy())
+        np.testing.assert_allclose(X.numpy(), want, rtol=0, atol=1e-13)
 
 
 class Alone(Mixer):

@@ -274,7 +274,7 @@ def test_relaysum_under_losses_is_the_reference_codes_rule():
     shards = [(torch.randn(16, 3), torch.randint(0, 2, (16,))) for _ in range(4)]
     path = topologies.mixing_matrix(topologies.build("path", 4))
     for drop, want in ((0.1, "latest"), (0.0, "initial")):
-        ex = Executor(lambda: torch.nn.Linear(3, 2), shards, path, "relaysum", lr=0.1, batch_size=8,
+        ex = Executor.build(lambda: torch.nn.Linear(3, 2), shards, path, "relaysum", lr=0.1, batch_size=8,
                       network=spec(compute_ms=1, drop=drop))
         assert ex.algorithm.fallback == want
 
@@ -356,7 +356,7 @@ def test_checkpoint_resume_continues_the_clock(tmp_path):
     net = spec(bandwidth_mbps=1, latency_ms=1, compute_ms=1, stragglers=0.25, drop=0.1)
 
     def make():
-        return Executor(lambda: torch.nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=8, network=net)
+        return Executor.build(lambda: torch.nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=8, network=net)
 
     a = make()
     rows = a.run(steps=7, eval_every_steps=3)
@@ -368,7 +368,7 @@ def test_checkpoint_resume_continues_the_clock(tmp_path):
     assert [r["sim_seconds"] for r in again] == [r["sim_seconds"] for r in rows[-len(again):]]
     assert torch.equal(a.X, b.X)
     with pytest.raises(ValueError, match="simulated network"):
-        Executor(lambda: torch.nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=8).load_state_dict(saved)
+        Executor.build(lambda: torch.nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=8).load_state_dict(saved)
 
 
 def _save(tmp_path, state):

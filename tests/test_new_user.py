@@ -46,7 +46,7 @@ def _shards(n, bad=None):
 
 def test_executor_stops_at_the_first_nonfinite_loss_naming_the_agent():
     W = topologies.mixing_matrix(topologies.build("ring", 5))
-    ex = Executor(lambda: nn.Linear(3, 2), _shards(5, bad=3), W, "cdsgd", lr=0.1, batch_size=4)
+    ex = Executor.build(lambda: nn.Linear(3, 2), _shards(5, bad=3), W, "cdsgd", lr=0.1, batch_size=4)
     rows = []
     with pytest.raises(Diverged) as e:
         ex.run(steps=20, eval_every_steps=10, callback=rows.append)
@@ -61,7 +61,7 @@ def test_executor_names_parameters_that_become_nan_while_the_loss_was_finite():
     def loss_fn(out, y):
         return torch.sqrt((out * 0).pow(2).sum(1)).mean()
 
-    ex = Executor(lambda: nn.Linear(3, 2), _shards(4), W, "cdsgd", lr=0.1, batch_size=4, loss_fn=loss_fn)
+    ex = Executor.build(lambda: nn.Linear(3, 2), _shards(4), W, "cdsgd", lr=0.1, batch_size=4, loss_fn=loss_fn)
     with pytest.raises(Diverged) as e:
         ex.run(steps=5)
     assert (e.value.step, e.value.agent, e.value.what) == (1, 0, "parameters")
@@ -69,9 +69,9 @@ def test_executor_names_parameters_that_become_nan_while_the_loss_was_finite():
 
 def test_diverged_state_survives_a_checkpoint():
     W = topologies.mixing_matrix(topologies.build("ring", 5))
-    ex = Executor(lambda: nn.Linear(3, 2), _shards(5, bad=2), W, "cdsgd", lr=0.1, batch_size=4)
+    ex = Executor.build(lambda: nn.Linear(3, 2), _shards(5, bad=2), W, "cdsgd", lr=0.1, batch_size=4)
     ex.step()  # noted, not yet agreed (no evaluation yet)
-    again = Executor(lambda: nn.Linear(3, 2), _shards(5, bad=2), W, "cdsgd", lr=0.1, batch_size=4)
+    again = Executor.build(lambda: nn.Linear(3, 2), _shards(5, bad=2), W, "cdsgd", lr=0.1, batch_size=4)
     again.load_state_dict(ex.state_dict())
     again.evaluate()
     assert again.diverged == (1, 2, "training loss")
@@ -117,7 +117,7 @@ def test_eval_hint_only_when_evaluation_dominates():
 
     cfg = load_config()
     sim = Sim()
-    sim._wall, sim.eval_seconds = 10.0, 3.0
+    sim.train_seconds, sim.eval_seconds = 10.0, 3.0
     assert eval_hint(cfg, sim) == ""
     sim.eval_seconds = 30.0
     hint = eval_hint(cfg, sim)
@@ -177,7 +177,7 @@ def test_a_failure_after_the_folder_exists_leaves_summary_failed(tmp_path, monke
     def broken(*a, **k):
         raise RuntimeError("the executor could not be built")
 
-    monkeypatch.setattr(experiment, "make_executor", broken)
+    monkeypatch.setattr(experiment, "build_executor", broken)
     out = tmp_path / "r"
     with pytest.raises(RuntimeError):
         run_experiment(load_config(overrides=[*TINY, f"out={out}"]), progress=False, log=lambda m: None)

@@ -104,8 +104,8 @@ def test_step_lr_on_cdsgd_and_the_closed_form_of_the_halved_steps():
 
 def test_the_rules_own_schedule_applies_on_top_of_the_torch_scheduler():
     """α_k = lr_k · (1 + k/τ)^−p: DecentralizedOptimizer(lr_schedule=diminishing) + StepLR = SGD + LambdaLR(product)."""
-    ours = run_single(lambda p: DecentralizedOptimizer(p, Alone(), "dsgt", lr=0.1, lr_schedule="diminishing",
-                                                       lr_tau=2.0, lr_power=1.0),
+    ours = run_single(lambda p: DecentralizedOptimizer(p, Alone(), "dsgt", lr=0.1, momentum=0.0,
+                                                       lr_schedule="diminishing", lr_tau=2.0, lr_power=1.0),
                       9, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
     ref = run_single(lambda p: torch.optim.SGD(p, lr=0.1), 9,
                      scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.5 ** (k // 3) / (1 + k / 2)))
@@ -256,14 +256,14 @@ def cdsgd_reference(x0, a, b, lrs, momentum=0.0):
 
 def test_dsgt_agents_under_step_lr_follow_diging_with_the_halved_steps():
     lrs = [0.2 * 0.5 ** (k // 3) for k in range(10)]
-    ours = agents_loop(lambda p, m: DecentralizedOptimizer(p, m, "dsgt", lr=0.2), 10, add_at=0,
+    ours = agents_loop(lambda p, m: DecentralizedOptimizer(p, m, "dsgt", lr=0.2, momentum=0.0), 10, add_at=0,
                        schedulers=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
     np.testing.assert_allclose(ours, diging(X0, A, B, lrs), rtol=0, atol=1e-12)
 
 
 def test_dsgt_agents_adding_a_group_start_its_tracker_afresh():
     """Coordinates are independent (separable f, one W): the old ones run 9 DIGing steps, the new ones 5 from x0."""
-    ours = agents_loop(lambda p, m: DecentralizedOptimizer(p, m, "dsgt", lr=0.1), 9, add_at=4)
+    ours = agents_loop(lambda p, m: DecentralizedOptimizer(p, m, "dsgt", lr=0.1, momentum=0.0), 9, add_at=4)
     old = diging(X0[:, :P1], A[:, :P1], B[:, :P1], [0.1] * 9)
     new = diging(X0[:, P1:], A[:, P1:], B[:, P1:], [0.1] * 5)
     np.testing.assert_allclose(ours[:, :, :P1], old, rtol=0, atol=1e-12)
@@ -288,7 +288,7 @@ def test_groups_of_decentralized_optimizer_share_lr_and_leave_the_rule_its_own()
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"every group must have the same lr; got \[0.1, 0.01\]"):
         DecentralizedOptimizer([{"params": [a]}, {"params": [b], "lr": 0.01}], Alone(), "dsgt", lr=0.1)
-    opt = DecentralizedOptimizer([a], Alone(), "dsgt", lr=0.1)
+    opt = DecentralizedOptimizer([a], Alone(), "dsgt", lr=0.1, momentum=0.0)
     with pytest.raises(ValueError, match="weight_decay belongs to the rule 'dsgt'"):
         opt.add_param_group({"params": [b], "weight_decay": 0.1})
     assert len(opt.param_groups) == 1  # the refused group is not kept
@@ -355,8 +355,12 @@ def test_a_mixer_without_agents_or_out_gets_check_mixers_error(build):
 
 
 def test_the_docstring_mixer_runs_dsgt_as_sgd():
-    ours = run_single(lambda p: DecentralizedOptimizer(p, Alone(), "dsgt", lr=0.1), 6)
+    ours = run_single(lambda p: DecentralizedOptimizer(p, Alone(), "dsgt", lr=0.1, momentum=0.0), 6)
     ref = run_single(lambda p: torch.optim.SGD(p, lr=0.1), 6)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    # with the default momentum (0.95, Nesterov: cdsgd.base.checks.HYPER_DEFAULTS), torch's SGD with the same
+    ours = run_single(lambda p: DecentralizedOptimizer(p, Alone(), "dsgt", lr=0.1), 6)
+    ref = run_single(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.95, nesterov=True), 6)
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
 
 

@@ -54,13 +54,10 @@ def test_volatile_keys_are_declared_on_the_fields():
                                   "checkpoint_unit", "download", "logger"}
 
 
-def test_parts_answer_dict_style_too():
+def test_parts_answer_attributes_only():
     cfg = load_config(overrides=["train_subset=100", "test_subset=20"])
     parts = P.prepare(cfg)
-    with pytest.warns(DeprecationWarning, match=r"Parts\['shards'\] is an old name: use Parts.shards"):
-        assert parts["shards"] is parts.shards
-    with pytest.warns(DeprecationWarning):
-        assert parts["W"] is parts.plan.W
+    assert parts.W is parts.plan.W
     assert sum(len(y) for _, y in parts.shards) == 100 and len(parts.test_set[1]) == 20
-    with pytest.raises(KeyError):
-        parts["nothing"]
+    with pytest.raises(TypeError, match="not subscriptable"):
+        parts["shards"]  # the dict-style access of the unreleased layout is gone

@@ -40,7 +40,7 @@ def make_sweep(root, runs, epochs=(1.0, 2.0, 3.0)):
     average model's final test loss: a ``test_loss_avg_model`` column) and status: a run that did not
     complete stopped at its first evaluation (epoch 0.8) with NaN losses and chance accuracy, as a
     diverged run does; a failed one left no metrics.csv."""
-    from cdsgd.run.experiment import to_target
+    from cdsgd.run.summary import to_target
 
     keys = [k for k in runs[0] if k not in RUN_FIELDS]
     rows = []

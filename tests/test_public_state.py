@@ -48,7 +48,7 @@ def test_push_sum_weights_are_a_copy_and_none_for_other_rules():
 
 def test_sgp_weights_of_a_state_and_the_numerators_they_de_bias():
     """SGPAlgorithm.weights(state) on the stack: Σ_j z_j·w_j moves as centralized SGD's sum (−α Σ_j g_j)."""
-    alg = make_algorithm("sgp", lr=0.05)
+    alg = make_algorithm("sgp", lr=0.05, momentum=0.0)  # Σ_j x_j moves by −α Σ_j g_j (momentum: by −α Σ_j d_j)
     X = torch.tensor(np.random.default_rng(0).normal(size=(N, 3)))
     state, mixer = alg.init_state(X), MatrixMixer(P, validate=False)
     for k in range(5):
@@ -65,7 +65,7 @@ def test_x_is_the_documented_stack_of_the_agents_flat_parameters():
     """X is L×P, row i is agent agents[i]'s parameters in layout order; the docs name it on the class."""
     data = shards()
     ring = topologies.mixing_matrix(topologies.build("ring", N))
-    sim = Executor(lambda: nn.Linear(3, 2), data, ring, "cdsgd", lr=0.1, batch_size=8, init="independent",
+    sim = Executor.build(lambda: nn.Linear(3, 2), data, ring, "cdsgd", lr=0.1, batch_size=8, init="independent",
                    strategy="loop")
     X0 = sim.X.clone()
     sim.step()

@@ -78,7 +78,7 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(reference, tmp_path, monk
 @pytest.fixture
 def ctrl_c_in_step(monkeypatch):
     """``ctrl_c_in_step(k)``: a real SIGINT to this process in the middle of step k (1-based), as Ctrl-C sends."""
-    from cdsgd.executor import Simulator
+    from cdsgd.executor import Executor as Simulator  # the class whose step a run calls
 
     real = Simulator.step
 

@@ -22,13 +22,15 @@ def test_topologies_does_not_import_torch():
 @pytest.mark.parametrize(
     "module",
     ["topologies", "topologies.builders", "topologies.io", "topologies.mixing", "topologies.registry",
-     "cdsgd", "cdsgd.algorithms", "cdsgd.mixers", "cdsgd.models", "cdsgd.base.seeding", "cdsgd.base.compat",
-     "cdsgd.config",
+     "cdsgd", "cdsgd.algorithms", "cdsgd.mixers", "cdsgd.models", "cdsgd.base.seeding", "cdsgd.config",
      "cdsgd.data.partition", "cdsgd.data.datasets", "cdsgd.data.bucketing", "cdsgd.data.sequences",
      "cdsgd.run.checkpoint", "cdsgd.base.checks", "cdsgd.base.files", "cdsgd.base.flat", "cdsgd.run.plan",
      "cdsgd.executor.evaluation", "cdsgd.executor.core", "cdsgd.algorithms.rules", "cdsgd.algorithms.optim",
      "cdsgd.mgrit", "cdsgd.mgrit.cell",
-     "cdsgd.mgrit.solver", "cdsgd.mgrit.layer", "cdsgd.data.formats", "cdsgd.data.augment"],
+     "cdsgd.mgrit.solver", "cdsgd.mgrit.layer", "cdsgd.data.formats", "cdsgd.data.augment",
+     "cdsgd.executor.meters", "cdsgd.executor.streams", "cdsgd.executor.agents", "cdsgd.run.summary",
+     "cdsgd.executor.door",
+     "cdsgd.executor.asynchronous"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
@@ -47,7 +49,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 @pytest.mark.parametrize("module", ["topologies", "cdsgd", "cdsgd.algorithms", "cdsgd.mixers", "cdsgd.models",
-                                    "cdsgd.base.seeding", "cdsgd.base.compat", "cdsgd.executor", "cdsgd.runtime",
+                                    "cdsgd.base.seeding", "cdsgd.executor", "cdsgd.runtime",
                                     "cdsgd.run.plan", "cdsgd.base.comm", "cdsgd.base.checks", "cdsgd.base.files",
                                     "cdsgd.base.flat", "cdsgd.config", "cdsgd.testing", "cdsgd.mgrit", "cdsgd.data",
                                     "cdsgd.cli"])

@@ -50,7 +50,7 @@ def _executor(**kw):
     torch.manual_seed(0)
     shards = [(torch.randn(16, 3), torch.randint(0, 2, (16,))) for _ in range(3)]
     W = topologies.mixing_matrix(topologies.build("path", 3))
-    return Executor(lambda: nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=4, **kw)
+    return Executor.build(lambda: nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=4, **kw)
 
 
 def test_the_first_step_is_warmup_not_training(fake_clock):
@@ -67,7 +67,7 @@ def test_a_resumed_executor_warms_up_again_and_keeps_the_counts(fake_clock):
     again = _executor()
     again.load_state_dict(first.state_dict())
     again.run(steps=4)
-    assert again.warmup_seconds == 2 * WARMUP and again.timed_steps == 3 + 3 and again._wall == 6 * STEP
+    assert again.warmup_seconds == 2 * WARMUP and again.timed_steps == 3 + 3 and again.train_seconds == 6 * STEP
 
 
 def test_eta_ignores_the_warmup_step(fake_clock):
@@ -75,7 +75,7 @@ def test_eta_ignores_the_warmup_step(fake_clock):
     for _ in range(4):
         ex.step()
     p = Progress(total=10, every=10, mode="off", log=print,
-                 timing=lambda: (ex._wall, ex.timed_steps, ex.eval_seconds, 0))
+                 timing=lambda: (ex.train_seconds, ex.timed_steps, ex.eval_seconds, 0))
     # 6 steps still to come at STEP each, 1 evaluation of unknown cost (none so far: 0 s)
     assert p.eta(4) == 6 * STEP
     # the old formula, (total time / steps done) per step, would have said 6 * (WARMUP + 3 * STEP) / 4
@@ -101,7 +101,7 @@ class _Sim:
     eval_agents, test_set = [0, 1], (torch.zeros(300, 2), torch.zeros(300))
 
     def __init__(self, train, evaluation):
-        self._wall, self.eval_seconds = train, evaluation
+        self.train_seconds, self.eval_seconds = train, evaluation
 
 
 def test_eval_hint_needs_evaluation_to_cost_more_than_training_and_a_second():
@@ -131,25 +131,24 @@ def test_the_divergence_line_of_a_run(tmp_path):
                          "or a lower momentum than 0.95"), line
 
 
-def test_eval_every_steps_and_its_old_name():
-    new = _executor().run(steps=6, eval_every_steps=2)
-    with pytest.warns(DeprecationWarning, match=r"eval_every=.*is an old name: use Executor.run\(eval_every_steps"):
-        old = _executor().run(steps=6, eval_every=2)
-    assert [r["step"] for r in old] == [r["step"] for r in new] == [2, 4, 6]
+def test_eval_every_steps_has_no_old_name():
+    """Executor.run and simulate count evaluations in steps, as ``eval_every_steps=``; ``eval_every=`` (the
+    config's, in epochs) is no keyword of theirs."""
+    assert [r["step"] for r in _executor().run(steps=6, eval_every_steps=2)] == [2, 4, 6]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eval_every'"):
+        _executor().run(steps=6, eval_every=2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'eval_evry'"):
         _executor().run(steps=6, eval_evry=2)
-    with pytest.raises(TypeError, match="both eval_every_steps= and its old name"):
-        _executor().run(steps=6, eval_every_steps=2, eval_every=3)
     shards = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         res = simulate(lambda: nn.Linear(3, 2), shards, None, "sgd", steps=4, eval_every_steps=2, batch_size=4, lr=0.1)
-    with pytest.warns(DeprecationWarning, match=r"simulate\(eval_every=\.\.\.\)"):
-        was = simulate(lambda: nn.Linear(3, 2), shards, None, "sgd", steps=4, eval_every=2, batch_size=4, lr=0.1)
-    assert [r["step"] for r in res.metrics] == [r["step"] for r in was.metrics] == [2, 4]
+    assert [r["step"] for r in res.metrics] == [2, 4]
+    with pytest.raises((TypeError, ValueError), match="'eval_every'"):
+        simulate(lambda: nn.Linear(3, 2), shards, None, "sgd", steps=4, eval_every=2, batch_size=4, lr=0.1)
 
 
 @pytest.mark.parametrize("module", ["cdsgd.run.hints", "cdsgd.run.interrupt", "cdsgd.run.progress",
-                                    "cdsgd.executor.timing", "cdsgd.base.compat"])
+                                    "cdsgd.executor.timing"])
 def test_docstring_examples(module):
     assert doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS).failed == 0

@@ -57,7 +57,7 @@ def _avg_model_row(rank, world):
     y = (X[:, 0] > 0).long()
     shards = [(X[i::world], y[i::world]) for i in range(world)]
     W = topologies.mixing_matrix(topologies.build("ring", world))
-    ex = Executor(lambda: nn.Linear(4, 2), shards, NeighbourMixer(W, rank, timeout=30), "cdsgd", lr=0.3,
+    ex = Executor.build(lambda: nn.Linear(4, 2), shards, NeighbourMixer(W, rank, timeout=30), "cdsgd", lr=0.3,
                   batch_size=8, agents=[rank], reducer=DistReducer(timeout=30), test_set=(X, y))
     for _ in range(3):
         ex.step()

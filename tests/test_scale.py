@@ -146,12 +146,12 @@ def test_vmap_gradients_and_sums_in_blocks_of_agents(monkeypatch):
     sim = Simulator(lambda: nn.Linear(6, 3), _shards(n), _W("ring", n), "cdmsgd", batch_size=4, lr=0.1,
                     init="independent")
     active = list(range(n))
-    batches = sim._batches(active)
-    whole = sim.gradients.gradients(active, batches), sim._G.clone()
+    batches = sim.data.batches(active)
+    whole = sim.gradients.gradients(active, batches), sim.gradients.G.clone()
     xbar, dist = sim.average_params(), sim.consensus_distance()
     monkeypatch.setattr(gradients, "VMAP_BLOCK_BYTES", 5 * 21 * 4)  # 5 agents a block: 5, 5, 2
     monkeypatch.setattr(evaluation, "SUM_BLOCK_BYTES", 5 * 21 * 8)
-    blocked = sim.gradients.gradients(active, batches), sim._G.clone()
+    blocked = sim.gradients.gradients(active, batches), sim.gradients.G.clone()
     torch.testing.assert_close(blocked[0], whole[0])
     torch.testing.assert_close(blocked[1], whole[1])
     torch.testing.assert_close(sim.average_params(), xbar)
@@ -159,7 +159,7 @@ def test_vmap_gradients_and_sums_in_blocks_of_agents(monkeypatch):
     # half the agents take part (FedAvg-style): rows of the others are zero
     part = sim.gradients.gradients([1, 4, 7, 10], [batches[i] for i in (1, 4, 7, 10)])
     torch.testing.assert_close(part, whole[0][[1, 4, 7, 10]])
-    assert torch.equal(sim._G[[0, 2, 3]], torch.zeros(3, 21))
+    assert torch.equal(sim.gradients.G[[0, 2, 3]], torch.zeros(3, 21))
 
 
 def test_a_run_of_many_agents_evaluates_a_named_sample(tmp_path):

@@ -108,7 +108,7 @@ CASES = [
     ("sgd", {"lr": 0.2}),
     ("msgd", {"lr": 0.1, "momentum": 0.9}),
     ("fedavg", {"lr": 0.2, "local_steps": 3}),
-    ("local", {"lr": 0.2}),
+    ("local", {"lr": 0.2, "momentum": 0.0}),  # the reference has no momentum for local (default 0.95)
 ]
 
 

@@ -12,7 +12,6 @@ tracking, D², quasi-global momentum), :mod:`cdsgd.algorithms.pushsum`
 :mod:`cdsgd.algorithms.adpsgd` (asynchronous pairwise gossip, run event by event).
 """
 
-from ..base.compat import module_getattr
 from .heterogeneous import D2Algorithm, DSGTAlgorithm, QGDSGDmAlgorithm
 from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
 from .pushsum import SGPAlgorithm
@@ -48,4 +47,3 @@ __all__ = [
     "with_weight_decay",
 ]
 
-__getattr__ = module_getattr(__name__)  # old names (cdsgd.base.compat)

@@ -63,7 +63,7 @@ class ADPSGDAlgorithm(_LocalMomentum, Algorithm):
     #: a lost exchange is not simulated: networks with ``drop`` or ``link_failure`` are refused
     lost_message = None
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return self._momentum_state(X)
 
     def check_mixing(self, W) -> None:
@@ -105,7 +105,7 @@ class ADPSGDAlgorithm(_LocalMomentum, Algorithm):
         cdsgd_update(avg, d, self.step_size(t), out=X[i])
         return X
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
+    def update(self, X, G, state, *, k, mixer, mixed=None):  # not Algorithm.update: no synchronous step at all
         raise ValueError("algorithm 'adpsgd' is asynchronous: it runs one gradient application at a time in "
                          "cdsgd.executor.asynchronous.AsyncExecutor (cdsgd run picks it), not in synchronous steps")
 

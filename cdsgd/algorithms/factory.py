@@ -34,10 +34,15 @@ class UnknownHyperparameter(ValueError):
 def make_algorithm(name: str, **hyper) -> Algorithm:
     """The algorithm ``name`` with hyperparameters ``hyper``.
 
-    Common: ``lr`` (required), ``lr_schedule``, ``lr_tau``, ``lr_power``,
-    ``weight_decay``. ``cdmsgd``/``msgd``: ``momentum`` (0.95), ``nesterov``
-    (True). ``local``: ``momentum`` (0), ``nesterov``. ``fedavg``:
-    ``local_steps`` or ``local_epochs`` (1 epoch by default), ``fedavg_fraction``.
+    Common: ``lr`` (required: no step size suits every model), ``lr_schedule``,
+    ``lr_tau``, ``lr_power``, ``weight_decay``. Every rule but ``cdsgd``,
+    ``sgd`` and ``fedavg``: ``momentum``, ``nesterov``. ``fedavg``:
+    ``local_steps`` or ``local_epochs``, ``fedavg_fraction``. ``choco``,
+    ``beer``: ``compression``, ``compression_params``, ``consensus_step``
+    (:func:`algorithm_params` lists each rule's). A hyperparameter not given
+    takes its default, the same for every rule and door (``cdsgd run``
+    included): :data:`cdsgd.base.checks.HYPER_DEFAULTS` (``momentum`` 0.95,
+    ``nesterov`` True, ``weight_decay`` 0, one local epoch per FedAvg round, ...).
     Unknown names are refused, naming the known ones; unknown
     hyperparameters with :class:`UnknownHyperparameter`, naming the allowed ones.
     """

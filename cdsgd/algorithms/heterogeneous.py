@@ -81,7 +81,8 @@ import torch
 
 import topologies
 
-from .rules import ALGORITHMS, Algorithm, _direction, _in_blocks, _MomentumMixin, cdsgd_update, with_weight_decay
+from ..mixers import is_schedule
+from .rules import ALGORITHMS, Algorithm, _direction, _in_blocks, _MomentumMixin, cdsgd_update
 
 __all__ = ["D2Algorithm", "DSGTAlgorithm", "QGDSGDmAlgorithm"]
 
@@ -90,11 +91,7 @@ D2_MIN_EIGENVALUE = -1.0 / 3.0
 
 
 class _LocalMomentum(_MomentumMixin):
-    """``momentum`` β (default 0: none) and ``nesterov`` for the local direction d(u)."""
-
-    def __init__(self, *, momentum: float = 0.0, nesterov: bool = True, **common) -> None:
-        super().__init__(**common)
-        self._init_momentum(momentum, nesterov)
+    """``momentum`` β and ``nesterov`` for the local direction d(u) (β = 0: d(u) = u, no buffers)."""
 
     def _momentum_state(self, X: torch.Tensor) -> dict:
         return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X)} if self.momentum else {}
@@ -106,21 +103,19 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
 
     name, traffic, mixes_params, vectors_per_step = "dsgt", "neighbours", True, 2
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"tracker": torch.zeros_like(X), "previous_gradient": torch.zeros_like(X), **self._momentum_state(X)}
 
     def start(self, X, state, mixer):
         """Post step k's two exchanges: W_k x^k with ``mixer`` (step k's), W_{k−1} y^{k−1} with step k − 1's."""
-        self.accept(mixer)
         Y = state["tracker"]
-        schedule = getattr(mixer, "part_of", None)  # a time-varying schedule's step; a static mixer has none
-        previous = mixer if schedule is None else schedule.at(mixer.phase - 1)  # built before any exchange posts
+        owner = mixer.part_of  # a time-varying schedule when mixer is one of its steps
+        static = owner is None or not is_schedule(owner.matrix)  # (a lossy network's mixer of a static W: its W)
+        previous = mixer if static else owner.at(mixer.phase - 1)  # built before any exchange posts
         return mixer.start(X, out=self._scratch(X, "mixed")), previous.start(Y, out=self._scratch(Y, "mixed_tracker"))
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
+    def _step(self, X, G, state, *, k, mixer, mixed):
         mixed_x, mixed_y = mixed if mixed is not None else self.start(X, state, mixer)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         Y, G_prev = state["tracker"], state["previous_gradient"]
         Wy = mixed_y.wait()
         for Wy_b, G_b, Y_b, Gp_b in _in_blocks(Wy, G, Y, G_prev):
@@ -136,7 +131,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
 
     name, traffic = "d2", "neighbours"
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"previous_params": X.detach().clone(), "previous_update": torch.zeros_like(X),
                 "half_step": torch.zeros_like(X), **self._momentum_state(X)}
 
@@ -155,9 +150,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
                 f"algorithm 'd2' needs a mixing matrix whose smallest eigenvalue is > -1/3, but this one's is "
                 f"{lam:.6g}; use mixing=lazy_metropolis ((I + W)/2 has eigenvalues >= 0)")
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         D = _direction(G, state, self.momentum, self.nesterov)
         lr = self.step_size(k)
         X_prev, U_prev, H = state["previous_params"], state["previous_update"], state["half_step"]
@@ -174,16 +167,10 @@ class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
 
     name, traffic = "qg_dsgdm", "neighbours"
 
-    def __init__(self, *, momentum: float = 0.9, nesterov: bool = True, **common) -> None:
-        super().__init__(**common)
-        self._init_momentum(momentum, nesterov)
-
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X), "half_step": torch.zeros_like(X)}
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         beta, lr = self.momentum, self.step_size(k)
         M, D, H = state["momentum"], state["direction"], state["half_step"]
         for G_b, M_b, D_b, X_b, H_b in _in_blocks(G, M, D, X, H):

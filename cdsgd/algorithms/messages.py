@@ -82,12 +82,13 @@ import torch
 
 import topologies
 
+from ..base.checks import HYPER_DEFAULTS
 from ..base.seeding import derive_seed
 from ..mixers import MatrixMixer, is_schedule
 from ..mixers.edges import edge_table
 from .compression import Compressor, make_compressor
 from .heterogeneous import _LocalMomentum
-from .rules import ALGORITHMS, Algorithm, _direction, with_weight_decay
+from .rules import ALGORITHMS, Algorithm, _direction
 
 __all__ = ["CONSENSUS_STEPS", "BeerAlgorithm", "ChocoAlgorithm", "RelaySumAlgorithm", "tune_consensus_step"]
 
@@ -198,11 +199,12 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
     #: every agent keeps its neighbours' public copies in step: a lost compressed message would split them
     lost_message = None
 
-    def __init__(self, *, compression: str = "none", compression_params: dict | None = None,
-                 consensus_step: float | str = "auto", momentum: float = 0.0, nesterov: bool = True,
-                 **common) -> None:
-        super().__init__(momentum=momentum, nesterov=nesterov, **common)
-        self.compressor = make_compressor(compression, compression_params or {})
+    def __init__(self, *, compression: str = HYPER_DEFAULTS["compression"], compression_params: dict | None = None,
+                 consensus_step: float | str = HYPER_DEFAULTS["consensus_step"], **common) -> None:
+        super().__init__(**common)  # momentum, nesterov, lr, ...
+        if compression_params is None:  # each compressor's own defaults
+            compression_params = dict(HYPER_DEFAULTS["compression_params"])
+        self.compressor = make_compressor(compression, compression_params)
         if consensus_step == "auto":
             self.consensus_step = "auto"
         elif (isinstance(consensus_step, (int, float)) and not isinstance(consensus_step, bool)
@@ -218,14 +220,14 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
         _check_static(self.name, W)
         super().check_mixing(W)
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"public": torch.zeros_like(X), "public_mixed": torch.zeros_like(X), **self._momentum_state(X)}
 
     def prepare(self, mixer, X: torch.Tensor) -> list[str]:
         """Tune γ now when it is ``"auto"`` (else at the first step); returns what to tell the user."""
         if self.gamma is not None:
             return []
-        W = getattr(getattr(mixer, "part_of", None) or mixer, "matrix", None)
+        W = (mixer.part_of or mixer).matrix
         if W is None:
             raise ValueError("consensus_step=\"auto\" needs the mixer's matrix (mixer.matrix) to tune γ on; "
                              "give a number instead")
@@ -244,11 +246,9 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
     def summary(self) -> dict:
         return {"consensus_step_used": self.gamma, "consensus_step_auto": self.consensus_step == "auto"}
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
+    def _step(self, X, G, state, *, k, mixer, mixed):
         if self.gamma is None:
             self.prepare(mixer, X)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         D = _direction(G, state, self.momentum, self.nesterov)
         X.add_(D, alpha=-self.step_size(k))  # x^{k+½}
         _choco_gossip(mixer, self.compressor, X, state["public"], state["public_mixed"], self.gamma,
@@ -264,8 +264,8 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
     #: the rule runs on a spanning tree of the topology (the run builds it: ``topologies.spanning_tree``)
     needs_tree = True
 
-    def __init__(self, *, momentum: float = 0.9, nesterov: bool = True, **common) -> None:
-        super().__init__(momentum=momentum, nesterov=nesterov, **common)
+    def __init__(self, **common) -> None:
+        super().__init__(**common)
         #: what stands in for the agents not yet heard from: "initial" (x_i^0) or "latest" (x_i^k, under losses)
         self.fallback = "initial"
 
@@ -283,7 +283,7 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
                              f"{G.number_of_edges()} edges on {G.number_of_nodes()} agents (a tree has N − 1 and "
                              "no cycle); build W on topologies.spanning_tree(G) (cdsgd run does)")
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         """The fallback (x^0; x^k under losses), the momentum, and the messages received the step before
         (E×(P+1): each relayed sum, then its count; zero before step 0), sized by ``mixer``'s edges (made at the
         first step when no mixer is given)."""
@@ -299,10 +299,8 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
             state["received"] = X.new_zeros((len(mixer.edges), X[0].numel() + 1))
         return state["received"]
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
+    def _step(self, X, G, state, *, k, mixer, mixed):
         table = edge_table(mixer)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         D = _direction(G, state, self.momentum, self.nesterov)
         L, N = len(mixer.agents), mixer.n_agents
         H = X.view(L, -1).add_(D.view(L, -1), alpha=-self.step_size(k))  # x^{k+½}, in place
@@ -325,16 +323,14 @@ class BeerAlgorithm(ChocoAlgorithm):
 
     name = "beer"
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         zeros = {name: torch.zeros_like(X) for name in ("public", "public_mixed", "tracker", "tracker_public",
                                                         "tracker_mixed", "previous_gradient")}
         return {**zeros, **self._momentum_state(X)}
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
+    def _step(self, X, G, state, *, k, mixer, mixed):
         if self.gamma is None:
             self.prepare(mixer, X)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
         V, G_prev = state["tracker"], state["previous_gradient"]
         V.add_(state["tracker_mixed"] - state["tracker_public"], alpha=self.gamma).add_(G).sub_(G_prev)  # v^k
         G_prev.copy_(G)

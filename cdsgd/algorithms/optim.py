@@ -33,7 +33,7 @@ Example (an agent alone: Π = [1], so a step is plain SGD)::
     >>> opt = CDSGD([w], Alone(), lr=0.5)
     >>> w.grad = torch.tensor([1.0, 1.0]); _ = opt.step(); w.tolist()
     [0.5, 1.5]
-    >>> opt = DecentralizedOptimizer([w], Alone(), "dsgt", lr=0.5)   # gradient tracking, alone: SGD too
+    >>> opt = DecentralizedOptimizer([w], Alone(), "dsgt", lr=0.5, momentum=0.0)  # gradient tracking alone: SGD
     >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     >>> for _ in range(2):
     ...     _ = opt.step(); sched.step()
@@ -47,7 +47,7 @@ from typing import Callable
 
 import torch
 
-from ..base.checks import SCHEDULED_LR, check_lr, check_momentum, check_nesterov, check_weight_decay
+from ..base.checks import HYPER_DEFAULTS, SCHEDULED_LR, check_lr, check_momentum, check_nesterov, check_weight_decay
 from ..base.flat import flatten, unflatten
 from ..mixers import Mixer, check_mixer
 from .factory import algorithm_params, make_algorithm
@@ -134,7 +134,7 @@ class _ConsensusOptimizer(_FlatOptimizer):
 
     def __init__(self, params, defaults: dict, mixer: Mixer) -> None:
         super().__init__(params, defaults, mixer)
-        make_algorithm(self.rule, lr=defaults["lr"]).accept(mixer)  # its check_mixing on mixer.matrix
+        make_algorithm(self.rule, lr=defaults["lr"]).check_mixer(mixer)  # its check_mixing on mixer.matrix
         self._built = True
         self._resize()
 
@@ -193,7 +193,8 @@ class CDSGD(_ConsensusOptimizer):
 
     rule = "cdsgd"
 
-    def __init__(self, params, mixer: Mixer, *, lr: float, weight_decay: float = 0.0) -> None:
+    def __init__(self, params, mixer: Mixer, *, lr: float,
+                 weight_decay: float = HYPER_DEFAULTS["weight_decay"]) -> None:
         defaults = {"lr": check_lr(lr), "weight_decay": check_weight_decay(weight_decay)}
         super().__init__(params, defaults, mixer)
 
@@ -210,7 +211,7 @@ class CDMSGD(_ConsensusOptimizer):
 
     Args:
         params, mixer: as for :class:`CDSGD`.
-        lr: α > 0. momentum: μ in [0, 1) (default 0.95, the paper's).
+        lr: α > 0. momentum: μ in [0, 1) (default 0.95, the paper's: ``HYPER_DEFAULTS``).
         nesterov: Nesterov form (default) or heavy ball. weight_decay: λ >= 0.
         Each may differ per parameter group; ``lr`` and ``momentum`` follow
         ``torch.optim.lr_scheduler`` (``OneCycleLR`` cycles the momentum too).
@@ -218,8 +219,9 @@ class CDMSGD(_ConsensusOptimizer):
 
     rule = "cdmsgd"
 
-    def __init__(self, params, mixer: Mixer, *, lr: float, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(self, params, mixer: Mixer, *, lr: float, momentum: float = HYPER_DEFAULTS["momentum"],
+                 nesterov: bool = HYPER_DEFAULTS["nesterov"],
+                 weight_decay: float = HYPER_DEFAULTS["weight_decay"]) -> None:
         defaults = {"lr": check_lr(lr), "momentum": check_momentum(momentum), "nesterov": check_nesterov(nesterov),
                     "weight_decay": check_weight_decay(weight_decay)}
         super().__init__(params, defaults, mixer)
@@ -308,11 +310,10 @@ class DecentralizedOptimizer(_FlatOptimizer):
         if "momentum" in self._tunable:
             defaults["momentum"] = algorithm.momentum
         super().__init__(params, defaults, mixer)
-        algorithm.accept(mixer)  # its check_mixing on mixer.matrix
         self._X = flatten(self._params()).unsqueeze(0)
         self._G = torch.zeros_like(self._X)
         algorithm.bind(n_agents=mixer.n_agents, steps_per_epoch=1, seed=0)
-        self.rule_state = algorithm.init_state(self._X, mixer=mixer)
+        self.rule_state = algorithm.init_state(self._X, mixer=mixer)  # the rule checks mixer.matrix here
         self.k = 0
         self._built = True
 

@@ -50,7 +50,7 @@ import torch
 import topologies
 
 from .heterogeneous import _LocalMomentum
-from .rules import ALGORITHMS, Algorithm, _direction, with_weight_decay
+from .rules import ALGORITHMS, Algorithm, _direction
 
 __all__ = ["SGPAlgorithm"]
 
@@ -62,7 +62,7 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
     name, traffic, lost_message = "sgp", "neighbours", "lost"
     column_stochastic = True
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"weight": torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device),
                 "numerator": torch.zeros_like(X), **self._momentum_state(X)}
 
@@ -82,9 +82,7 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
                              f"not a time-varying schedule ({W.name})")
         topologies.validate(W, symmetric=False, row_sums=False)
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         D = _direction(G, state, self.momentum, self.nesterov)
         w, num = state["weight"], state["numerator"]
         w_rows = w.view(-1, *([1] * (X.dim() - 1)))

@@ -58,8 +58,8 @@ import torch
 
 from topologies import TOL, Registry, validate
 
-from ..base.checks import (FEDAVG_FRACTION, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr, check_momentum,
-                           check_nesterov, check_weight_decay)
+from ..base.checks import (FEDAVG_FRACTION, HYPER_DEFAULTS, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr,
+                           check_momentum, check_nesterov, check_weight_decay)
 from ..base.flat import kept
 from ..base.seeding import derive_seed
 from ..mixers import Handle, Mixer, is_schedule, is_sparse
@@ -148,7 +148,8 @@ class StepSize:
 
     SCHEDULES = LR_SCHEDULES.names
 
-    def __init__(self, lr: float, schedule: str = "constant", *, tau: float = 1000.0, power: float = 1.0) -> None:
+    def __init__(self, lr: float, schedule: str = HYPER_DEFAULTS["lr_schedule"], *,
+                 tau: float = HYPER_DEFAULTS["lr_tau"], power: float = HYPER_DEFAULTS["lr_power"]) -> None:
         self.lr = check_lr(lr)
         self.schedule = LR_SCHEDULES.check("lr_schedule", schedule)
         self.tau = float(LR_TAU.check("lr_tau", tau))
@@ -169,8 +170,10 @@ ALGORITHMS: Registry[type["Algorithm"]] = Registry("algorithm")
 class Algorithm:
     """One update rule with its hyperparameters.
 
-    Executors call, per step k: ``mask = participants(k)``; compute G at X
-    (rows outside ``mask`` may be skipped); ``update(X, G, state, k=k,
+    Executors call, once per run, ``state = init_state(X, mixer)`` (where
+    the rule meets its mixer: :meth:`check_mixer` refuses a matrix the rule
+    cannot run with), then per step k: ``mask = participants(k)``; compute G
+    at X (rows outside ``mask`` may be skipped); ``update(X, G, state, k=k,
     mixer=mixer, mixed=...)``, which overwrites X with the new parameters
     (and returns it). When ``mixes_params`` is true the rule's exchanges
     depend only on what is known before the gradient (Π X, and for gradient
@@ -178,6 +181,10 @@ class Algorithm:
     the backward pass and passes what it returns as ``mixed``; otherwise the
     rule calls the mixer itself (on gradients, on a half-step, or on
     parameters at the end of a FedAvg round).
+
+    A rule writes :meth:`_step` (its arithmetic: G with weight decay, step
+    k's mixer) and :meth:`_init_state`; :meth:`update` and :meth:`init_state`
+    do what all rules share. Defaults: :data:`cdsgd.base.checks.HYPER_DEFAULTS`.
 
     ``vectors_per_step`` is how many P-vectors each agent sends to each
     neighbour per step (what ``bytes_sent_per_agent`` counts).
@@ -201,8 +208,9 @@ class Algorithm:
     #: the root of the rule's random streams (:meth:`bind` sets the run's; 0 until then)
     seed: int = 0
 
-    def __init__(self, *, lr: float, lr_schedule: str = "constant", lr_tau: float = 1000.0,
-                 lr_power: float = 1.0, weight_decay: float = 0.0) -> None:
+    def __init__(self, *, lr: float, lr_schedule: str = HYPER_DEFAULTS["lr_schedule"],
+                 lr_tau: float = HYPER_DEFAULTS["lr_tau"], lr_power: float = HYPER_DEFAULTS["lr_power"],
+                 weight_decay: float = HYPER_DEFAULTS["weight_decay"]) -> None:
         self.step_size = StepSize(lr, lr_schedule, tau=lr_tau, power=lr_power)
         self.weight_decay = check_weight_decay(weight_decay)
 
@@ -216,11 +224,20 @@ class Algorithm:
         losses differently from lossless running switches to that handling here (RelaySum); most rules have
         nothing to switch (the mixing itself changes: :attr:`lost_message`)."""
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def init_state(self, X: torch.Tensor, mixer: Mixer | None = None) -> dict:
         """The rule's per-agent state for the stack X (tensors only: checkpoints save them).
 
-        ``mixer`` (the one the rule will mix with) sizes per-edge state (RelaySum's messages).
+        ``mixer`` is the one the rule will mix with: rule and mixer meet here,
+        once per run (executors and the ``torch.optim`` classes call it when
+        built), so :meth:`check_mixer` runs here; it also sizes per-edge state
+        (RelaySum's messages). Without a mixer nothing is checked.
         """
+        if mixer is not None:
+            self.check_mixer(mixer)
+        return self._init_state(X, mixer)
+
+    def _init_state(self, X: torch.Tensor, mixer: Mixer | None) -> dict:
+        """The rule's own state (:meth:`init_state`, whose mixer has been checked)."""
         return {}
 
     def prepare(self, mixer, X: torch.Tensor) -> list[str]:
@@ -241,8 +258,8 @@ class Algorithm:
         Default: a neighbour rule needs a doubly stochastic W (non-negative,
         every row and column summing to 1); a push-sum matrix
         (``mixing=push_sum``, columns only) is for ``sgp``. A schedule's steps
-        were checked when it was built. Runs wherever a rule meets a mixer
-        (:meth:`accept`), however the mixer was made.
+        were checked when it was built. Runs where a rule meets a mixer
+        (:meth:`check_mixer`), however the mixer was made.
         """
         if self.traffic != "neighbours" or W is None or is_schedule(W):
             return
@@ -257,34 +274,48 @@ class Algorithm:
         except ValueError as e:
             raise ValueError(f"algorithm {self.name!r} needs a doubly stochastic mixing matrix: {e}") from None
 
-    def accept(self, mixer: Mixer, k: int | None = None) -> Mixer:
-        """Check once per mixer (and rule class) that this rule can mix with ``mixer``'s matrix;
-        return the mixer of step ``k`` (``mixer.at(k)``: a whole schedule handed to ``update`` mixes with W_k).
+    def check_mixer(self, mixer: Mixer) -> Mixer:
+        """Refuse a mixer whose matrix this rule cannot run with (:meth:`check_mixing`); returns the mixer.
 
-        :meth:`check_mixing` on ``mixer.matrix`` (a schedule step's whole
-        schedule), however the mixer was built (``validate=False`` included);
-        :meth:`update` and :meth:`start` call it, so a rule never runs with a
-        matrix it refuses. A mixer whose matrix is unknown (None) is taken on trust.
+        The matrix is ``mixer.matrix``, or for one step of a time-varying
+        schedule the whole schedule's (``mixer.part_of.matrix``), however the
+        mixer was built (``validate=False`` included). A mixer whose matrix is
+        unknown (None: all-reduce, a user's own mixer) is taken on trust.
+        :meth:`init_state` calls it. (Whether a mixer provides the interface
+        at all is :func:`cdsgd.mixers.check_mixer`'s to say.)
         """
-        owner = getattr(mixer, "part_of", None) or mixer
-        seen = owner.__dict__.setdefault("_accepted_by", set())
-        if type(self) not in seen:
-            if getattr(owner, "matrix", None) is not None:
-                self.check_mixing(owner.matrix)
-            seen.add(type(self))
-        return mixer if k is None else mixer.at(k)
+        matrix = (mixer.part_of or mixer).matrix
+        if matrix is not None:
+            self.check_mixing(matrix)
+        return mixer
 
     def _scratch(self, X: torch.Tensor, name: str) -> torch.Tensor:
         """A buffer like X that this rule owns (a mixing's ``out=``): allocated once, reused every step."""
         return kept(self.__dict__.setdefault("_buffers", {}), name, X.shape, X)
 
     def start(self, X: torch.Tensor, state: dict, mixer: Mixer):
-        """Post the exchanges of step k that need nothing but the pre-gradient state (``mixes_params``)."""
-        self.accept(mixer)
+        """Post the exchanges of step k that need nothing but the pre-gradient state (``mixes_params``);
+        ``mixer`` is step k's (``mixer.at(k)``)."""
         return mixer.start(X, out=self._scratch(X, "mixed"))
 
-    def update(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer,
+    def update(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer | None,
                mixed: Handle | torch.Tensor | None = None) -> torch.Tensor:
+        """Step k: X (overwritten and returned) from the gradients G at X and the rule's ``state``.
+
+        What all rules share, then its :meth:`_step`: step k's mixer (``mixer.at(k)``:
+        a whole :class:`~cdsgd.mixers.ScheduleMixer` mixes with W_k) and g + λ·x
+        (G itself is left alone). ``mixed``: what :meth:`start` returned, if the
+        exchange was posted before the backward pass. The matrix was checked
+        where rule and mixer met (:meth:`init_state`), not here.
+        """
+        mixer = None if mixer is None else mixer.at(k)
+        decayed = self._scratch(X, "decayed") if self.weight_decay else None
+        G = with_weight_decay(G, X, self.weight_decay, out=decayed)
+        return self._step(X, G, state, k=k, mixer=mixer, mixed=mixed)
+
+    def _step(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer | None,
+              mixed: Handle | torch.Tensor | None) -> torch.Tensor:
+        """The rule's arithmetic of step k (:meth:`update`): G has its weight decay, ``mixer`` is step k's."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -313,11 +344,15 @@ def _direction(G: torch.Tensor, state: dict, momentum: float, nesterov: bool) ->
 
 
 class _MomentumMixin:
-    def _init_momentum(self, momentum: float, nesterov: bool) -> None:
+    """``momentum`` μ and ``nesterov`` (their defaults: HYPER_DEFAULTS), with a momentum buffer per agent."""
+
+    def __init__(self, *, momentum: float = HYPER_DEFAULTS["momentum"], nesterov: bool = HYPER_DEFAULTS["nesterov"],
+                 **common) -> None:
+        super().__init__(**common)
         self.momentum = check_momentum(momentum)
         self.nesterov = check_nesterov(nesterov)
 
-    def init_state(self, X: torch.Tensor, mixer=None) -> dict:
+    def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"momentum": torch.zeros_like(X)}
 
 
@@ -325,9 +360,7 @@ class _MomentumMixin:
 class CDSGDAlgorithm(Algorithm):
     name, traffic, mixes_params = "cdsgd", "neighbours", True
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         return cdsgd_update(self._mixed(X, mixer, mixed), G, self.step_size(k), out=X)
 
 
@@ -335,13 +368,7 @@ class CDSGDAlgorithm(Algorithm):
 class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
     name, traffic, mixes_params = "cdmsgd", "neighbours", True
 
-    def __init__(self, *, momentum: float = 0.95, nesterov: bool = True, **common) -> None:
-        super().__init__(**common)
-        self._init_momentum(momentum, nesterov)
-
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         return momentum_update(self._mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
                                self.momentum, self.nesterov, out=X)
 
@@ -350,9 +377,7 @@ class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
 class SGDAlgorithm(Algorithm):
     name, traffic, same_init = "sgd", "allreduce", True
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         G = mixer.average(G, out=self._scratch(X, "average"))
         return cdsgd_update(X, G, self.step_size(k), out=X)
 
@@ -361,13 +386,7 @@ class SGDAlgorithm(Algorithm):
 class MSGDAlgorithm(_MomentumMixin, Algorithm):
     name, traffic, same_init = "msgd", "allreduce", True
 
-    def __init__(self, *, momentum: float = 0.95, nesterov: bool = True, **common) -> None:
-        super().__init__(**common)
-        self._init_momentum(momentum, nesterov)
-
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         G = mixer.average(G, out=self._scratch(X, "average"))
         return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
 
@@ -376,15 +395,15 @@ class MSGDAlgorithm(_MomentumMixin, Algorithm):
 class FedAvgAlgorithm(Algorithm):
     name, traffic, same_init = "fedavg", "allreduce", True
 
-    def __init__(self, *, local_steps: int | None = None, local_epochs: int | None = None,
-                 fedavg_fraction: float = 1.0, **common) -> None:
+    def __init__(self, *, local_steps: int | None = HYPER_DEFAULTS["local_steps"], local_epochs: int | None = None,
+                 fedavg_fraction: float = HYPER_DEFAULTS["fedavg_fraction"], **common) -> None:
         super().__init__(**common)
         if local_steps is not None and local_epochs is not None:
             raise ValueError(f"give local_steps or local_epochs, not both (got {local_steps} and {local_epochs})")
         self.local_steps = None if local_steps is None else check_int("local_steps", local_steps, 1)
         self.local_epochs = None if local_epochs is None else check_int("local_epochs", local_epochs, 1)
-        if local_steps is None and local_epochs is None:
-            self.local_epochs = 1  # the paper's FedAvg: one local epoch per round
+        if self.local_steps is None and self.local_epochs is None:  # local_epochs None: "not given", so that
+            self.local_epochs = HYPER_DEFAULTS["local_epochs"]  # giving both is refused above
         self.fraction = float(FEDAVG_FRACTION.check("fedavg_fraction", fedavg_fraction))
         self._round_mask: tuple[int | None, torch.Tensor | None] = (None, None)  # (round, participants)
 
@@ -404,9 +423,7 @@ class FedAvgAlgorithm(Algorithm):
             self._round_mask = (r, mask)
         return self._round_mask[1]
 
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        mixer = self.accept(mixer, k)
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         mask = self.participants(k)
         if mask is None:
             cdsgd_update(X, G, self.step_size(k), out=X)
@@ -426,12 +443,7 @@ def _rows(mask: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 class LocalAlgorithm(_MomentumMixin, Algorithm):
     name, traffic = "local", "none"
 
-    def __init__(self, *, momentum: float = 0.0, nesterov: bool = True, **common) -> None:
-        super().__init__(**common)
-        self._init_momentum(momentum, nesterov)
-
-    def update(self, X, G, state, *, k, mixer, mixed=None):
-        G = with_weight_decay(G, X, self.weight_decay, out=self._scratch(X, "decayed"))
+    def _step(self, X, G, state, *, k, mixer, mixed):
         if self.momentum:
             return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
         return cdsgd_update(X, G, self.step_size(k), out=X)

@@ -10,8 +10,6 @@
     flat parameter vectors (``flatten``, ``unflatten``, ``ParamLayout``).
 :mod:`.comm`
     point-to-point messages and waits with timeouts, ``CommError``, ``free_port``.
-:mod:`.compat`
-    every old import path and name of earlier releases, each warning on use.
 
 Import from the modules; this package re-exports nothing.
 """

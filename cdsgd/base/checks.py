@@ -27,6 +27,14 @@ refuse a bad value with one message::
     >>> str(LR_POWER), str(LR_SCHEDULES)
     ('in (0.5, 1]', 'constant | diminishing')
 
+Their defaults are declared here once too, in :data:`HYPER_DEFAULTS`: the
+algorithms' signatures, the ``torch.optim`` classes and the config's keys
+read them from there, so ``cdsgd run``, :func:`~cdsgd.algorithms.make_algorithm`,
+:func:`~cdsgd.simulate` and the optimizers train with the same values::
+
+    >>> HYPER_DEFAULTS["momentum"], HYPER_DEFAULTS["nesterov"]
+    (0.95, True)
+
 Pure Python: importing this module imports neither torch nor numpy.
 """
 
@@ -35,13 +43,14 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Iterable
 
 from topologies import unknown_name_error
 
-__all__ = ["FEDAVG_FRACTION", "LR", "LR_POWER", "LR_SCHEDULES", "LR_TAU", "MOMENTUM", "SCHEDULED_LR", "WEIGHT_DECAY",
-           "Bounds", "Choices", "check_choice", "check_int", "check_lr", "check_momentum", "check_nesterov", "check_number",
-           "check_weight_decay"]
+__all__ = ["FEDAVG_FRACTION", "HYPER_DEFAULTS", "LR", "LR_POWER", "LR_SCHEDULES", "LR_TAU", "MOMENTUM", "SCHEDULED_LR",
+           "WEIGHT_DECAY", "Bounds", "Choices", "check_choice", "check_int", "check_lr", "check_momentum",
+           "check_nesterov", "check_number", "check_weight_decay"]
 
 
 def check_int(name: str, value: Any, low: int = 1, *, what: str = "") -> int:
@@ -146,6 +155,27 @@ LR_POWER = Bounds(low=0.5, high=1, low_open=True, note=" so that Σα = ∞ and 
 LR_SCHEDULES = Choices(("constant", "diminishing"))
 #: the fraction of agents FedAvg samples per round: in (0, 1]
 FEDAVG_FRACTION = Bounds(low=0, high=1, low_open=True)
+
+#: The default of every hyperparameter, one value per key for every algorithm that takes it, declared once: the
+#: update rules' signatures (cdsgd.algorithms), the torch.optim classes (cdsgd.algorithms.optim) and the config's
+#: keys (cdsgd.config) read it from here, so that every door trains an algorithm with the same values. ``lr`` has
+#: none: the API doors need it given (the config's 0.05 is the default job's step size, cdsgd.config).
+#: ``local_steps`` None: FedAvg rounds of ``local_epochs`` epochs (the config writes it 0); ``compression_params``
+#: empty: each compressor's own defaults (cdsgd.algorithms.compression). Read-only: copy before changing.
+HYPER_DEFAULTS = MappingProxyType({
+    "lr_schedule": "constant",
+    "lr_tau": 1000.0,
+    "lr_power": 1.0,
+    "weight_decay": 0.0,
+    "momentum": 0.95,  # CDMSGD's (the paper's), for every rule with a momentum
+    "nesterov": True,
+    "local_steps": None,
+    "local_epochs": 1,  # the paper's FedAvg: one local epoch per round
+    "fedavg_fraction": 1.0,
+    "compression": "none",
+    "compression_params": MappingProxyType({}),
+    "consensus_step": "auto",
+})
 
 
 def check_lr(lr: Any) -> float:

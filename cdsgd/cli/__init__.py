@@ -8,9 +8,7 @@
     how ``cdsgd launch`` drives torchrun.
 """
 
-from ..base.compat import module_getattr
 from .commands import build_parser, main
 
 __all__ = ["build_parser", "main"]
 
-__getattr__ = module_getattr(__name__)  # old names (cdsgd.base.compat)

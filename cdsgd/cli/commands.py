@@ -31,20 +31,39 @@ Run 'cdsgd VERB --help' for a verb's options."""
 
 
 def _config_help() -> str:
-    """Every config key with its default and help, as each field of Config declares them."""
+    """Every config key with its default, where that comes from, and help, as each field of Config declares them."""
     from ..config import FAMILY_DEFAULTS, config_keys, key_info, toml_value
 
     families = {k: [] for k in config_keys()}
-    for _, models, defaults in FAMILY_DEFAULTS:
+    for family, models, defaults in FAMILY_DEFAULTS:
         for k, v in defaults.items():
-            families[k].append(f"{', '.join(models)}: {toml_value(v)}")
-    lines = ["config keys (key = default: meaning; (model: value): that model's default, used unless the key "
-             "is set in the config file or on the command line):"]
+            families[k].append(f"{', '.join(models)}: {toml_value(v)}, the {family} models' default")
+    lines = ["config keys (key = default [where the default comes from, if not the config's own choice]: meaning; "
+             "(model: value): that model's default, used unless the key is set in the config file or on the "
+             "command line):"]
     for name in config_keys():
         info = key_info(name)
+        source = f" [{info['source']}]" if info["source"] else ""
         family = f" ({'; '.join(families[name])})" if families[name] else ""
-        lines.append(f"  {name} = {toml_value(info['default'])}{family}: {info['help']}")
+        lines.append(f"  {name} = {toml_value(info['default'])}{source}{family}: {info['help']}")
     return "\n".join(lines)
+
+
+def _config_text(cfg, taken: dict) -> str:
+    """``--print-config``: the resolved config (:func:`cdsgd.config.dump_config`), each value that is a key's
+    declared default followed by a comment saying where that default comes from (``key_info(k)["source"]``)."""
+    from ..config import config_keys, dump_config, key_info
+
+    lines = dump_config(cfg, taken).splitlines()
+    keys = set(config_keys())
+    for i, line in enumerate(lines):
+        name = line.split(" = ", 1)[0]
+        if name not in keys or name in taken:  # a comment line, or a model family's default (dump_config says so)
+            continue
+        info = key_info(name)
+        if info["source"] and getattr(cfg, name) == info["default"]:
+            lines[i] = f"{line}  # {info['source']}"
+    return "\n".join(lines) + "\n"
 
 
 def _add_run(sub) -> None:
@@ -63,20 +82,20 @@ def _add_run(sub) -> None:
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [key=value ...]",
                    help="an optional TOML config file, then overrides")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit (a comment "
-                   "marks each value taken from the model family's defaults)")
+                   "says where each default comes from: the algorithms' own, cdsgd run's, or the model family's)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args) -> int:
-    from ..config import dump_config, resolve_config
+    from ..config import resolve_config
     from ..run.experiment import run_experiment, validate_config
 
     path, overrides = split_run_args(args.args)
     cfg, taken = resolve_config(path, overrides)
     plan = validate_config(cfg)
     if args.print_config:
-        print(dump_config(cfg, taken), end="")
+        print(_config_text(cfg, taken), end="")
         return 0
     summary = run_experiment(cfg, progress=False if args.no_progress else None, plan=plan)
     if cfg.executor == "torch" and os.environ.get("RANK", "0") != "0":

@@ -29,17 +29,26 @@ Example::
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import torch.nn.functional as F
 
 import torch
 from torch import nn
 
+from ..base.checks import check_int
 from ..base.flat import ParamLayout
+from ..base.seeding import derive_seed
 from ..mixers import Mixer, make_mixer
-from .gradients import choose_strategy
+from .gradients import STRATEGIES, choose_strategy, make_strategy
+from .streams import AgentRNG
 
-__all__ = ["Agents", "build_agents", "held_mixer", "seeded_model"]
+__all__ = ["AgentStack", "Agents", "INITS", "build_agents", "held_mixer", "seeded_model"]
+
+#: how agents' initial parameters relate (``init=``)
+INITS = ("same", "independent")
 
 
 def seeded_model(seed: int, model_fn: Callable[[], nn.Module]) -> nn.Module:
@@ -108,11 +117,86 @@ def held_mixer(W, algorithm, n: int, agents: list[int], *, exact: bool) -> Mixer
 
     A matrix, a schedule or None serve only an executor holding every agent;
     one holding a block needs a Mixer that reaches the others (the runtime's).
+    W is validated as ``algorithm`` takes it (a push-sum P for ``sgp``); whether
+    the rule can run with it, the rule says once, when the executor builds its
+    state (``algorithm.init_state(X, mixer)``).
     """
     if not isinstance(W, Mixer) and len(agents) < n:
         raise ValueError(f"an executor holding agents {agents} of {n} needs a Mixer that reaches the "
                          "others (e.g. cdsgd.runtime.BlockMixer), not a matrix")
-    mixer = make_mixer(W, algorithm=algorithm, n_agents=n, exact=exact)
+    if W is None and algorithm.traffic == "neighbours":
+        raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
+    mixer = make_mixer(W, n_agents=n, exact=exact, column_stochastic=algorithm.column_stochastic)
     if list(mixer.agents) != agents:
         raise ValueError(f"mixer holds agents {list(mixer.agents)} but this executor holds {agents}")
     return mixer
+
+
+class AgentStack:
+    """The agents this process holds: their models, the L×P parameter stack X, random streams and gradients.
+
+    ``ids`` are the held agents' indices among ``n_agents`` (all of them in the simulator, a block per
+    rank in the runtime); ``X[i]`` is agent ``ids[i]``'s flat parameters (``layout`` names them).
+    ``init="same"`` builds every agent's module under one seed (identical copies); ``"independent"``
+    under (seed, j, "init"), except that ``same_init`` (the one-model algorithms sgd, msgd, fedavg)
+    starts every agent from agent 0's. ``gradients`` (:mod:`cdsgd.executor.gradients`) fills
+    ``gradients.G`` at X; agent j's forward passes draw from its own ``rng`` stream.
+
+        >>> from torch import nn
+        >>> stack = AgentStack(lambda: nn.Linear(3, 2), 4, seed=0, ids=[2, 3])
+        >>> stack.X.shape, stack.strategy, stack.ids
+        (torch.Size([2, 8]), 'vmap', [2, 3])
+    """
+
+    def __init__(self, model_fn: Callable[[], nn.Module], n_agents: int, *, seed: int = 0,
+                 ids: Sequence[int] | None = None, init: str = "same", same_init: bool = False,
+                 strategy: str = "auto", exact: bool = False, device: str | torch.device | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                 grad_clip: float = 0.0) -> None:
+        n = self.n_agents = int(n_agents)
+        self.seed = check_int("seed", seed, 0)
+        if init not in INITS:
+            raise ValueError(f"init {init!r} is unknown; allowed: {', '.join(INITS)}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
+        if not (isinstance(grad_clip, (int, float)) and 0 <= grad_clip < math.inf):
+            raise ValueError(f"grad_clip must be a finite number >= 0 (0: off), got {grad_clip!r}")
+        self.ids = list(range(n)) if ids is None else [int(j) for j in ids]
+        if not self.ids or any(not 0 <= j < n for j in self.ids) or len(set(self.ids)) != len(self.ids):
+            raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {ids!r}")
+        self.exact = bool(exact)
+
+        def init_key(j: int) -> int:
+            if init == "same":
+                return derive_seed(self.seed, "init")
+            return derive_seed(self.seed, 0 if same_init else j, "init")
+
+        built = build_agents(model_fn, [init_key(j) for j in self.ids], strategy=strategy, exact=exact,
+                             device=device)
+        self.models, self.layout, self.X, self.device = built.models, built.layout, built.X, built.device
+        self.dtype, self.strategy, self.loss_fn = self.X.dtype, built.strategy, loss_fn
+        self.rng = AgentRNG(self.seed, self.ids, self.device)
+        self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, torch.zeros_like(self.X),
+                                       loss_fn, self.rng, grad_clip=grad_clip)
+
+    def model(self, j: int) -> nn.Module:
+        """Agent j's module holding its current parameters (j must be held here).
+
+        With the ``loop`` strategy it is the agent's own module (its parameters
+        are views of X); with ``vmap``, a fresh copy of the template each call.
+        """
+        i = self.ids.index(j)
+        model = self.models[i] if len(self.models) == len(self.ids) else copy.deepcopy(self.models[0])
+        self.layout.load_into(model, self.X[i])
+        return model
+
+    def state_dict(self) -> dict:
+        return {"X": self.X.detach().cpu().clone(), "rng": [s.cpu() for s in self.rng.state_dict()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if tuple(state["X"].shape) != tuple(self.X.shape):
+            raise ValueError(f"checkpoint parameters have shape {tuple(state['X'].shape)}, "
+                             f"this run {tuple(self.X.shape)}")
+        with torch.no_grad():
+            self.X.copy_(state["X"])  # in place: the loop strategy's modules are views of X
+        self.rng.load_state_dict([s.to(self.rng.states[0].device) for s in state["rng"]])

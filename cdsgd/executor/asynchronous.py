@@ -62,7 +62,7 @@ the uplinks of 1 and 2 until 10.256 ms, agent 3 (partner 2) for 2's until
     >>> shards = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(4)]
     >>> W = topologies.mixing_matrix(topologies.build("ring", 4))
     >>> net = network_spec("none", {"bandwidth_mbps": 1, "latency_ms": 0, "compute_ms": 10})
-    >>> ex = AsyncExecutor(lambda: nn.Linear(3, 2), shards, W, "adpsgd", lr=0.1, batch_size=4, network=net)
+    >>> ex = AsyncExecutor.build(lambda: nn.Linear(3, 2), shards, W, "adpsgd", lr=0.1, batch_size=4, network=net)
     >>> _ = ex.step(); [(round(t * 1e3, 3), i, j) for t, i, j in ex.last_events]
     [(10.256, 0, 3), (10.256, 1, 2), (10.512, 2, 1), (10.768, 3, 2)]
 """
@@ -79,7 +79,6 @@ from ..algorithms import Algorithm, is_asynchronous
 from ..mixers import neighbourhood
 from ..network import NetworkSpec, stragglers
 from .core import Executor
-from .timing import charge_step
 
 __all__ = ["AsyncExecutor", "EventTimes", "check_asynchronous", "executor_class"]
 
@@ -199,12 +198,12 @@ class AsyncExecutor(Executor):
     ``X`` always holds the agents' live parameters (what evaluation reads).
     """
 
-    def __init__(self, model_fn, shards, W=None, algorithm: str | Algorithm = "adpsgd", *, network=None,
-                 **options) -> None:
+    def __init__(self, stack, data, mixer, algorithm: Algorithm, reducer=None, evaluator=None, network=None, *,
+                 overlap: bool = True) -> None:
         if network is not None and not isinstance(network, NetworkSpec):
             raise ValueError(f"network must be a NetworkSpec or None for an asynchronous run, got "
                              f"{type(network).__name__}")
-        super().__init__(model_fn, shards, W, algorithm, **options)
+        super().__init__(stack, data, mixer, algorithm, reducer, evaluator, overlap=overlap)
         alg, n = self.algorithm, self.n_agents
         if not is_asynchronous(alg):
             raise ValueError(f"AsyncExecutor runs the asynchronous rules (adpsgd), not {alg.name!r}: use Executor")
@@ -215,7 +214,7 @@ class AsyncExecutor(Executor):
             raise ValueError(f"agent {lonely[0]} has no neighbour to average with; give a connected graph")
         self._message_bytes = float(self.layout.numel * self.X.element_size())
         self.times = EventTimes(network, n, seed=self.seed, message_bytes=self._message_bytes)
-        self.clock = None if network is None else _SimulatedTime(self.times)
+        self.meters.clock = None if network is None else _SimulatedTime(self.times)
         self.applied = [0] * n
         self.last_events: list[tuple[float, int, int]] = []
         self._snapshots = self.X.clone()  # x̂_i: where agent i's pending gradient is taken
@@ -234,10 +233,10 @@ class AsyncExecutor(Executor):
         self.X.index_copy_(0, idx, self._snapshots.index_select(0, idx))
         try:
             with torch.enable_grad():
-                losses = self.gradients.gradients(todo, self._batches(todo))
+                losses = self.gradients.gradients(todo, self.data.batches(todo))
         finally:
             self.X.index_copy_(0, idx, live)  # in place: the loop strategy's modules are views of X
-        self._pending.index_copy_(0, idx, self._G.index_select(0, idx))
+        self._pending.index_copy_(0, idx, self.gradients.G.index_select(0, idx))
         self._pending_loss[todo] = losses.detach().double().cpu()
         for a in todo:
             self._ready[a] = True
@@ -262,16 +261,16 @@ class AsyncExecutor(Executor):
             sent[i] += self._message_bytes
             sent[j] += self._message_bytes
             loss = float(self._pending_loss[i])
-            self._loss_sums[i] += loss
-            self._loss_counts[i] += 1
+            self.meters.loss.add_one(i, loss)
             per_agent[i] = per_agent.get(i, 0.0) + loss  # a non-finite loss stays non-finite in the sum
             events.append((end, i, j))
         self.k += 1
         self.last_events = events
         active = sorted(per_agent)
-        self._check_finite(active, torch.tensor([per_agent[i] for i in active], dtype=torch.float64))
-        charge_step(self, time.perf_counter() - t0)
-        self.last_loss = sum(per_agent.values()) / self.n_agents  # N events
+        self.meters.nonfinite.check(active, torch.tensor([per_agent[i] for i in active], dtype=torch.float64), X,
+                                    self.k)
+        self.meters.timer.charge(time.perf_counter() - t0)
+        self.meters.loss.last = sum(per_agent.values()) / self.n_agents  # N events
         return self.last_loss
 
     # ------------------------------------------------------------ checkpoint

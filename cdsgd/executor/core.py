@@ -29,10 +29,20 @@ simulator), or a block of agents per rank (the runtime: ``agents=block``
 with a :class:`cdsgd.runtime.BlockMixer` and a distributed Reducer; one
 agent per rank is a block of one). Only the
 Mixer and the Reducer differ; the update rule, the streams and the
-bookkeeping are the same code. ``Simulator`` is this class's other name.
+bookkeeping are the same code.
 
-Gradients: :mod:`cdsgd.executor.gradients` (``loop`` or ``vmap``, chosen by
-``strategy``). Metrics: :mod:`cdsgd.executor.evaluation`.
+The executor is built from parts, each owning its state and ``state_dict()``
+(the executor's checkpoint is the dict of theirs): the agents
+(:class:`~cdsgd.executor.agents.AgentStack`: models, the parameter stack,
+random streams, gradients by ``loop`` or ``vmap``), their data
+(:class:`~cdsgd.executor.streams.DataFeed`), the mixer, the rule (an
+:class:`~cdsgd.algorithms.Algorithm` and its per-agent state), the
+:class:`~cdsgd.executor.reducer.Reducer`, the
+:class:`~cdsgd.executor.evaluation.Evaluator` and the meters
+(:mod:`cdsgd.executor.meters`: step timer, losses, non-finite watch, the
+models' statistics, the simulated clock). :meth:`Executor.build` (also
+named ``Simulator``) and :func:`simulate` build them from keyword arguments;
+``cdsgd run`` builds them from its config (:func:`cdsgd.run.plan.build_executor`).
 
 Example (3 agents on a path, step by step; every agent starts from the
 same parameters, so after one step they differ only through their batches)::
@@ -41,7 +51,7 @@ same parameters, so after one step they differ only through their batches)::
     >>> from torch import nn
     >>> shards = [(torch.randn(8, 3), torch.randint(0, 2, (8,))) for _ in range(3)]
     >>> W = topologies.mixing_matrix(topologies.build("path", 3))
-    >>> ex = Executor(lambda: nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=4)
+    >>> ex = Executor.build(lambda: nn.Linear(3, 2), shards, W, "cdmsgd", lr=0.1, batch_size=4)
     >>> ex.X.shape, ex.strategy, ex.steps_per_epoch
     (torch.Size([3, 8]), 'vmap', 2)
     >>> _ = ex.step(); ex.k, ex.evaluate()["step"]
@@ -50,11 +60,8 @@ same parameters, so after one step they differ only through their batches)::
 
 from __future__ import annotations
 
-import copy
 import inspect
-import math
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -64,31 +71,18 @@ from torch import nn
 from ..algorithms import Algorithm, make_algorithm
 from ..algorithms.factory import UnknownHyperparameter
 from ..base.checks import check_int
-from ..base.compat import renamed_keyword
-from ..base.seeding import derive_seed, generator
 from . import evaluation
-from . import state as checkpoint_state
-from .agents import build_agents, held_mixer
-from .gradients import STRATEGIES, make_strategy, nonfinite_rows
+from .agents import AgentStack, held_mixer
+from .evaluation import Evaluator
+from .meters import Meters
 from .reducer import Reducer
-from .streams import AgentRNG, BatchStream, check_shards, gather
-from .timing import ClockFeed, charge_step
+from .streams import DataFeed, check_shards
+from .timing import ClockFeed
 
-__all__ = ["INITS", "Diverged", "Executor", "SimulationResult", "Simulator", "simulate"]
+__all__ = ["Diverged", "Executor", "STATE_FORMAT", "Simulator"]
 
-#: how agents' initial parameters relate (``init=``)
-INITS = ("same", "independent")
-
-
-@dataclass
-class SimulationResult:
-    """What :func:`simulate` returns."""
-
-    #: one dict per evaluation with the keys of METRIC_COLUMNS
-    metrics: list[dict]
-    #: final N×P parameters
-    params: torch.Tensor
-    simulator: "Executor" = field(repr=False)
+#: the version of :meth:`Executor.state_dict`'s layout (a checkpoint of another is refused in one line)
+STATE_FORMAT = 2
 
 
 class Diverged(ArithmeticError):
@@ -100,218 +94,159 @@ class Diverged(ArithmeticError):
 
 
 class Executor:
-    """The agents held in this process (all N by default). See the module docstring for the semantics.
+    """The agents held in this process, stepped by one rule. See the module docstring for the semantics.
 
     Args:
-        model_fn: builds one agent's ``nn.Module`` (called under a seeded RNG).
-        shards: per-agent training data, a sequence of (inputs, targets) tensor pairs.
-        W: the N×N mixing matrix (numpy, nested lists or scipy.sparse), a
-            time-varying :class:`topologies.Schedule` (step k mixes with W_k), or a ready Mixer.
-            Not used by ``sgd``, ``msgd``, ``fedavg`` (all-average) nor by
-            ``local``; pass ``None`` there to use Π = 11ᵀ/N for bookkeeping.
-        algorithm: a name (with ``**hyper`` for :func:`make_algorithm`) or an Algorithm.
-        batch_size: per-agent batch size.
-        seed: the root of every random stream.
-        init: ``"same"`` or ``"independent"``.
-        strategy: ``"auto"``, ``"loop"`` or ``"vmap"``.
-        loss_fn: ``loss_fn(outputs, targets)``, mean over the batch (default cross-entropy).
-        test_set: (inputs, targets) for evaluation, or None (test metrics are NaN).
-        eval_batch_size, eval_agents, eval_samples: bound the cost of evaluation.
-        exact: mix with the ordered multiply-add of the runtime's exact mode
-            (and, with ``strategy="auto"``, use the loop strategy).
-        augment: ``augment(batch_inputs, generator)`` applied to each training
-            batch of agent j with its own generator seeded from (seed, j, "augment").
-        overlap: start the mixing of X before the gradients are computed and
-            wait for it after (the default); False starts it after, for measurement.
-        agents: the agents this process holds (default: all). The distributed
-            runtime holds a contiguous block per rank, with a
-            :class:`cdsgd.runtime.BlockMixer` and a Reducer over its process
-            group; the update rule and the bookkeeping are the same.
+        stack: the held agents (:class:`~cdsgd.executor.agents.AgentStack`).
+        data: their training data (:class:`~cdsgd.executor.streams.DataFeed` over all N shards).
+        mixer: the N×N mixing matrix (numpy, nested lists or scipy.sparse), a
+            :class:`topologies.Schedule`, a ready Mixer (the runtime's BlockMixer for a block of
+            agents), or None for Π = 11ᵀ/N (the rules that mix with no graph). Checked against the
+            rule once, here.
+        algorithm: a ready :class:`~cdsgd.algorithms.Algorithm` (:func:`cdsgd.algorithms.make_algorithm`).
         reducer: sums across processes for evaluation (default: none needed).
-        device: where parameters and data live (default: the model's device).
-        batch_stream: ``batch_stream(j, generator)`` makes agent j's endless
-            stream of index batches (``next()``, ``state_dict()``,
-            ``load_state_dict()``), e.g. a :class:`cdsgd.data.bucketing.BucketStream`;
-            default :class:`BatchStream` over agent j's shard.
-        steps_per_epoch: steps that count as one epoch (default
-            ceil(mean shard size / batch_size)).
+        evaluator: the test set and evaluated agents (default: no test set; test metrics are NaN).
         network: a simulated network (:func:`cdsgd.network.network_spec`, or a ready
             :class:`~cdsgd.network.NetworkClock`): each row's ``sim_seconds``
             (:mod:`cdsgd.executor.timing`); its losses change the mixing (simulator only).
+        overlap: start the mixing of X before the gradients are computed and
+            wait for it after (the default); False starts it after, for measurement.
 
     Public state (read it; each step updates it in place):
         X: the L×P stack of the held agents' flat parameters (N×P in the simulator): row i is agent
             ``agents[i]``'s, in ``layout`` order (``layout.views(X[i])`` names them); for ``sgp`` the
             de-biased z_j. The executor's own buffer: ``X.clone()`` keeps a snapshot.
+        state: the rule's per-agent state (momentum, trackers, ...).
+        k: the steps taken. meters: :class:`~cdsgd.executor.meters.Meters`.
         push_sum_weights: push-sum's weights w_j (``sgp``: numerators ``X[i] * w_j``), else None.
     """
 
-    def __init__(
-        self,
-        model_fn: Callable[[], nn.Module],
-        shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        W=None,
-        algorithm: str | Algorithm = "cdmsgd",
-        *,
-        batch_size: int = 32,
-        seed: int = 0,
-        init: str = "same",
-        strategy: str = "auto",
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-        test_set: tuple[torch.Tensor, torch.Tensor] | None = None,
-        eval_batch_size: int = 1024,
-        eval_agents: int | None = None,
-        eval_samples: int | None = None,
-        exact: bool = False,
-        augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
-        overlap: bool = True,
-        agents: Sequence[int] | None = None,
-        reducer: Reducer | None = None,
-        device: str | torch.device | None = None,
-        batch_stream: Callable[[int, torch.Generator], object] | None = None,
-        steps_per_epoch: int | None = None,
-        grad_clip: float = 0.0,
-        network=None,
-        **hyper,
-    ) -> None:
-        self.n_agents = n = check_shards(shards)
-        self.batch_size = check_int("batch_size", batch_size)
-        self.seed = check_int("seed", seed, 0)
-        if init not in INITS:
-            raise ValueError(f"init {init!r} is unknown; allowed: {', '.join(INITS)}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
-        self.eval_batch_size = check_int("eval_batch_size", eval_batch_size)
-        if eval_agents is not None:
-            check_int("eval_agents", eval_agents)
-        if eval_samples is not None:
-            check_int("eval_samples", eval_samples)
-        self.agents = list(range(n)) if agents is None else [int(j) for j in agents]
-        if not self.agents or any(not 0 <= j < n for j in self.agents) or len(set(self.agents)) != len(self.agents):
-            raise ValueError(f"agents must be distinct indices in 0..{n - 1}, got {agents!r}")
+    def __init__(self, stack: AgentStack, data: DataFeed, mixer, algorithm: Algorithm,
+                 reducer: Reducer | None = None, evaluator: Evaluator | None = None, network=None, *,
+                 overlap: bool = True) -> None:
+        if not isinstance(algorithm, Algorithm):
+            raise ValueError(f"algorithm must be an Algorithm (cdsgd.algorithms.make_algorithm), got "
+                             f"{type(algorithm).__name__}; Executor.build takes a name")
+        if data.n_agents != stack.n_agents:
+            raise ValueError(f"the data holds {data.n_agents} shards but the agents are {stack.n_agents}")
+        self.stack, self.data, self.algorithm, self.overlap = stack, data, algorithm, bool(overlap)
         self.reducer = reducer if reducer is not None else Reducer()
-        self.overlap, self.exact = bool(overlap), bool(exact)
-        if not (isinstance(grad_clip, (int, float)) and 0 <= grad_clip < math.inf):
-            raise ValueError(f"grad_clip must be a finite number >= 0 (0: off), got {grad_clip!r}")
-
-        self.algorithm = algorithm = _make_algorithm(algorithm, hyper)
-
-        # --- the mixer
-        self.mixer = held_mixer(W, algorithm, n, self.agents, exact=exact)
-
-        # --- models and the L×P parameter stack of the L agents held here
-        # init="same": every agent's module is built under one seed (identical copies);
-        # one-model algorithms (sgd, msgd, fedavg) start every agent from agent 0's parameters.
-        def init_key(j: int) -> int:
-            if init == "same":
-                return derive_seed(self.seed, "init")
-            return derive_seed(self.seed, 0 if algorithm.same_init else j, "init")
-
-        built = build_agents(model_fn, [init_key(j) for j in self.agents], strategy=strategy, exact=exact,
-                             device=device)
-        self.models, self.layout, self.X, self.device = built.models, built.layout, built.X, built.device
-        self.dtype, self.strategy, self.loss_fn = self.X.dtype, built.strategy, loss_fn
-
-        # --- data, per-agent streams (seeded by the global agent index)
-        self.shards = [(shards[j][0].to(self.device), shards[j][1].to(self.device)) for j in self.agents]
-        if batch_stream is None:
-            def batch_stream(j, gen):
-                return BatchStream(len(shards[j][1]), self.batch_size, gen)
-        self.streams = [batch_stream(j, generator(self.seed, j, "data")) for j in self.agents]
-        self.augment, self._kept_batches = augment, {}
-        self._augment_gens = [generator(self.seed, j, "augment") for j in self.agents] if augment else None
-        mean_shard = sum(len(y) for _, y in shards) / n
-        self.steps_per_epoch = (max(1, math.ceil(mean_shard / self.batch_size)) if steps_per_epoch is None
-                                else check_int("steps_per_epoch", steps_per_epoch))
-        self.rng = AgentRNG(self.seed, self.agents, self.device)
-        algorithm.bind(n_agents=n, steps_per_epoch=self.steps_per_epoch, seed=self.seed)
+        self.evaluator = evaluator if evaluator is not None else Evaluator(None, stack.n_agents)
+        self.mixer = held_mixer(mixer, algorithm, stack.n_agents, stack.ids, exact=stack.exact)
+        algorithm.bind(n_agents=stack.n_agents, steps_per_epoch=data.steps_per_epoch, seed=stack.seed)
         self.state = algorithm.init_state(self.X, mixer=self.mixer)
-        self._G = torch.zeros_like(self.X)
-        self.gradients = make_strategy(self.strategy, self.models, self.layout, self.X, self._G, loss_fn, self.rng,
-                                       grad_clip=grad_clip)
-
-        self.test_set = None if test_set is None else self._held_test_set(test_set, eval_samples)
-        self.eval_agents = evaluation.pick_agents(n, eval_agents)
-
         self.k = 0
-        # each held agent's train-loss sum and count since the last evaluation (summed per agent, so that
-        # the row does not depend on how agents are spread over processes)
-        self._loss_sums = torch.zeros(len(self.agents), dtype=torch.float64)
-        self._loss_counts = torch.zeros(len(self.agents), dtype=torch.float64)
-        self._wall = 0.0  # the training seconds of the timed steps (charge_step)
-        #: seconds of the first step this process ran (compilation, first calls): not in wall_seconds
-        self.warmup_seconds, self.timed_steps, self._warm = 0.0, 0, False
-        self.last_loss = float("nan")
-        #: seconds spent in evaluation (not part of wall_seconds, which counts training steps only)
-        self.eval_seconds = 0.0
-        # each held agent's first non-finite step (0: none) and whether its parameters (1) or loss (0) were so
-        self._nonfinite = torch.zeros(len(self.agents), 2, dtype=torch.float64)
-        self._row_sums = self.X.new_empty(len(self.agents), dtype=torch.promote_types(self.dtype, torch.float32))
+        self.meters = Meters(len(stack.ids), self.X, stack.models)
         #: set by the evaluation that first sees a non-finite loss or parameter: (step, agent, what)
         self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
         self.bytes_across_processes = 0.0
-        #: the simulated network's clock and its records (:mod:`cdsgd.executor.timing`), or None
-        self.clock = None if network is None else ClockFeed(network, self)
+        if network is not None:
+            self.meters.clock = ClockFeed(network, self)
 
-    def _held_test_set(self, test_set: tuple[torch.Tensor, torch.Tensor],
-                       eval_samples: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The test set on this executor's device, cut to a seeded random ``eval_samples`` of it when given."""
-        tx, ty = test_set
-        if eval_samples is not None and eval_samples < len(ty):
-            keep = torch.randperm(len(ty), generator=generator(self.seed, "eval"))[:eval_samples]
-            tx, ty = tx[keep], ty[keep]
-        return tx.to(self.device), ty.to(self.device)
+    @classmethod
+    def build(cls, model_fn: Callable[[], nn.Module], shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              W=None, algorithm: str | Algorithm = "cdmsgd", *, batch_size: int = 32, seed: int = 0,
+              init: str = "same", strategy: str = "auto",
+              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+              test_set: tuple[torch.Tensor, torch.Tensor] | None = None, eval_batch_size: int = 1024,
+              eval_agents: int | None = None, eval_samples: int | None = None, exact: bool = False,
+              augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+              overlap: bool = True, agents: Sequence[int] | None = None, reducer: Reducer | None = None,
+              device: str | torch.device | None = None,
+              batch_stream: Callable[[int, torch.Generator], object] | None = None,
+              steps_per_epoch: int | None = None, grad_clip: float = 0.0, network=None, **hyper) -> "Executor":
+        """The friendly door: an executor built from a model factory, per-agent data and keyword options.
+
+        Args:
+            model_fn: builds one agent's ``nn.Module`` (called under a seeded RNG).
+            shards: per-agent training data, a sequence of (inputs, targets) tensor pairs.
+            W: the mixer (see the class); None for the rules that mix with no graph.
+            algorithm: a name (with ``**hyper`` for :func:`make_algorithm`) or an Algorithm.
+            batch_size, seed, init (``"same"`` | ``"independent"``), strategy (``"auto"`` | ``"loop"`` |
+                ``"vmap"``), loss_fn (mean over the batch), exact (ordered multiply-adds as the
+                runtime's exact mode; with ``strategy="auto"``, the loop strategy), device, grad_clip:
+                the agents (:class:`~cdsgd.executor.agents.AgentStack`).
+            augment, batch_stream, steps_per_epoch: the data (:class:`~cdsgd.executor.streams.DataFeed`).
+            test_set, eval_batch_size, eval_agents, eval_samples: the evaluation
+                (:class:`~cdsgd.executor.evaluation.Evaluator`).
+            agents: the agents this process holds (default: all); a block needs a Mixer that reaches
+                the others (:class:`cdsgd.runtime.BlockMixer`) and a ``reducer`` over its group.
+            overlap, network: as the class's.
+        """
+        n = check_shards(shards)
+        alg = _make_algorithm(algorithm, hyper)
+        stack = AgentStack(model_fn, n, seed=seed, ids=agents, init=init, same_init=alg.same_init,
+                           strategy=strategy, exact=exact, device=device, loss_fn=loss_fn, grad_clip=grad_clip)
+        data = DataFeed(shards, stack.ids, batch_size=batch_size, seed=stack.seed, device=stack.device,
+                        augment=augment, batch_stream=batch_stream, steps_per_epoch=steps_per_epoch)
+        evaluator = Evaluator(test_set, n, eval_agents=eval_agents, eval_samples=eval_samples,
+                              eval_batch_size=eval_batch_size, seed=stack.seed, device=stack.device)
+        return cls(stack, data, W, alg, reducer, evaluator, network, overlap=overlap)
+
+    # ------------------------------------------------------- the parts' public state, by its usual names
+
+    @property
+    def X(self) -> torch.Tensor:
+        return self.stack.X
+
+    @property
+    def agents(self) -> list[int]:
+        """The indices of the agents held here."""
+        return self.stack.ids
+
+    n_agents = property(lambda self: self.stack.n_agents, doc="N, all agents of the run")
+    layout = property(lambda self: self.stack.layout, doc="names the columns of X")
+    models = property(lambda self: self.stack.models)
+    strategy = property(lambda self: self.stack.strategy)
+    gradients = property(lambda self: self.stack.gradients)
+    device = property(lambda self: self.stack.device)
+    dtype = property(lambda self: self.stack.dtype)
+    exact = property(lambda self: self.stack.exact)
+    seed = property(lambda self: self.stack.seed)
+    rng = property(lambda self: self.stack.rng)
+    loss_fn = property(lambda self: self.stack.loss_fn)
+    steps_per_epoch = property(lambda self: self.data.steps_per_epoch)
+    batch_size = property(lambda self: self.data.batch_size)
+    streams = property(lambda self: self.data.streams)
+    shards = property(lambda self: self.data.shards)
+    test_set = property(lambda self: self.evaluator.test_set)
+    eval_agents = property(lambda self: self.evaluator.eval_agents)
+    eval_batch_size = property(lambda self: self.evaluator.eval_batch_size)
+    clock = property(lambda self: self.meters.clock, doc="the simulated network's clock feed, or None")
+    train_seconds = property(lambda self: self.meters.timer.train_seconds, doc="seconds of the timed steps")
+    warmup_seconds = property(lambda self: self.meters.timer.warmup_seconds)
+    timed_steps = property(lambda self: self.meters.timer.timed_steps)
+    eval_seconds = property(lambda self: self.meters.timer.eval_seconds)
+    last_loss = property(lambda self: self.meters.loss.last,
+                         doc="the mean batch loss of the agents held here at the last step (NaN if none stepped)")
 
     # ------------------------------------------------------------------- step
-
-    def _batches(self, active: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The next training batch of each active held agent (into buffers kept for it; augmented on its own stream)."""
-        batches = []
-        for i in active:
-            xb, yb = gather(*self.shards[i], self.streams[i].next(), self._kept_batches, i)
-            batches.append((xb if self.augment is None else self.augment(xb, self._augment_gens[i]), yb))
-        return batches
 
     def step(self) -> float:
         """One synchronous step of every agent held here. Returns their mean batch loss (NaN if none stepped)."""
         t0 = time.perf_counter()
-        alg, X, k = self.algorithm, self.X, self.k
+        alg, X, k, clock = self.algorithm, self.X, self.k, self.meters.clock
         mixer = self.mixer.at(k)  # W_k of a time-varying schedule; the one mixer otherwise
-        clock, sent = self.clock, self.mixer.bytes_sent.clone()
+        sent = self.mixer.bytes_sent.clone()
         mixer = mixer if clock is None else clock.mixer(mixer, k)  # the step's lost messages taken out
         mask = alg.participants(k)
         active = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
         handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap else None
         t1 = time.perf_counter()
-        losses = self.gradients.gradients(active, self._batches(active))
+        losses = self.gradients.gradients(active, self.data.batches(active))
         t1 = time.perf_counter() - t1
         if alg.mixes_params and not self.overlap:
             handle = alg.start(X, self.state, mixer)
-        alg.update(X, self._G, self.state, k=k, mixer=mixer, mixed=handle)
+        alg.update(X, self.gradients.G, self.state, k=k, mixer=mixer, mixed=handle)
         self.k += 1
         losses = losses.detach().double().cpu()
-        self._loss_sums[active] += losses
-        self._loss_counts[active] += 1
-        self._check_finite(active, losses)
+        self.meters.loss.add(active, losses)
+        self.meters.nonfinite.check(active, losses, self.X, self.k)
         if clock is not None:
             clock.record(active, t1, self.mixer.bytes_sent - sent)
-        charge_step(self, time.perf_counter() - t0)
-        #: the mean batch loss of the agents held here at the last step (NaN if none stepped)
-        self.last_loss = float(losses.mean()) if active else float("nan")
+        self.meters.timer.charge(time.perf_counter() - t0)
         return self.last_loss
-
-    def _check_finite(self, active: list[int], losses: torch.Tensor) -> None:
-        """Note each held agent's first step with a non-finite batch loss or parameter (one reduction per step)."""
-        if bool(self._nonfinite[:, 0].all()):
-            return  # every held agent is noted already
-        bad_loss = torch.zeros(len(self.agents), dtype=torch.bool)
-        bad_loss[active] = ~torch.isfinite(losses)
-        todo = ~bad_loss & (self._nonfinite[:, 0] == 0)  # the rows whose parameters are still to look at
-        bad = bad_loss | nonfinite_rows(self.X.reshape(len(self.agents), -1), self._row_sums, todo)
-        new = bad & (self._nonfinite[:, 0] == 0)
-        self._nonfinite[new, 0] = self.k
-        self._nonfinite[new, 1] = (~bad_loss[new]).double()
 
     @property
     def push_sum_weights(self) -> torch.Tensor | None:
@@ -322,7 +257,7 @@ class Executor:
     @property
     def nonfinite_here(self) -> bool:
         """Whether an agent held here has met a non-finite loss or parameter (not yet agreed across processes)."""
-        return bool(self._nonfinite[:, 0].any())
+        return self.meters.nonfinite.any
 
     # --------------------------------------------------------------- evaluate
 
@@ -340,24 +275,28 @@ class Executor:
         Sums over agents go through the Reducer, so every process holding
         agents must call this together; the row is the same on all of them.
         """
-        return evaluation.evaluate(self)
+        t0 = time.perf_counter()
+        row, diverged, self.bytes_across_processes = evaluation.evaluate(self)
+        if self.diverged is None:
+            self.diverged = diverged
+        self.meters.timer.eval_seconds += time.perf_counter() - t0
+        return row
 
     # -------------------------------------------------------------------- run
 
     def run(self, *, epochs: float | None = None, steps: int | None = None, eval_every_steps: int | None = None,
             callback: Callable[[dict], None] | None = None, progress: Callable[[int], None] | None = None,
-            after_step: Callable[[int], None] | None = None, **old) -> list[dict]:
+            after_step: Callable[[int], None] | None = None) -> list[dict]:
         """Run ``epochs`` epochs (or ``steps`` steps), evaluating every ``eval_every_steps`` steps.
 
-        ``eval_every_steps`` (steps, unlike the config's ``eval_every`` in epochs; the old name
-        ``eval_every=`` warns) defaults to one epoch; the last step is always evaluated.
+        ``eval_every_steps`` (steps, unlike the config's ``eval_every`` in epochs) defaults to one epoch;
+        the last step is always evaluated.
         Evaluations fall on the steps k (counted from the very start, also
         after :meth:`load_state_dict`) with k % eval_every_steps == 0.
         ``callback(row)`` receives each metrics row as it is made, ``progress(k)``
         each step, ``after_step(k)`` each step after its evaluation (the place
         for checkpoints: the state then includes the row).
         """
-        eval_every_steps = renamed_keyword("Executor.run", old, "eval_every_steps", eval_every_steps, rest=True)
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs and steps")
         total = round(epochs * self.steps_per_epoch) if steps is None else check_int("steps", steps)
@@ -385,33 +324,60 @@ class Executor:
     # ------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict:
-        """Everything that decides the rest of the run, for the agents held here (:func:`cdsgd.executor.state.state_dict`).
+        """Everything that decides the rest of the run, for the agents held here: the dict of the parts'.
 
-        Restoring it into an executor built with the same arguments
-        (:meth:`load_state_dict`) continues bit for bit as if it had never stopped.
+        Only tensors, numbers, strings, lists and dicts: it loads with
+        ``torch.load(weights_only=True)``. Restoring it into an executor built
+        the same way (:meth:`load_state_dict`) continues bit for bit as if it
+        had never stopped.
         """
-        return checkpoint_state.state_dict(self)
+        return {
+            "format": STATE_FORMAT,
+            "k": self.k,
+            "agents": list(self.agents),
+            "n_agents": self.n_agents,
+            "numel": self.layout.numel,
+            "algorithm": self.algorithm.name,
+            "stack": self.stack.state_dict(),
+            "data": self.data.state_dict(),
+            "rule": {name: t.detach().cpu().clone() for name, t in self.state.items()},
+            "mixer": {"bytes_sent": self.mixer.bytes_sent.clone(), "bytes_across": float(self.mixer.bytes_across)},
+            "reducer": {"bytes": float(self.reducer.bytes)},
+            "meters": self.meters.state_dict(),
+        }
 
     def load_state_dict(self, saved: dict) -> None:
         """Continue from :meth:`state_dict` of an executor built the same way; mismatches are ValueErrors."""
-        checkpoint_state.load_state_dict(self, saved)
+        if saved.get("format") != STATE_FORMAT:
+            raise ValueError(f"checkpoint state is of format {saved.get('format', 1)}, written by an earlier cdsgd; "
+                             f"this version reads format {STATE_FORMAT}: start the run afresh (resume=false)")
+        expect = {"agents": list(self.agents), "n_agents": self.n_agents, "numel": self.layout.numel,
+                  "algorithm": self.algorithm.name}
+        for key, want in expect.items():
+            if saved.get(key) != want:
+                raise ValueError(f"checkpoint state has {key} = {saved.get(key)!r}, this run has {want!r}")
+        if sorted(saved["rule"]) != sorted(self.state):
+            raise ValueError(f"checkpoint algorithm state holds {sorted(saved['rule'])}, this run {sorted(self.state)}")
+        self.stack.load_state_dict(saved["stack"])
+        with torch.no_grad():
+            for name, t in saved["rule"].items():
+                self.state[name].copy_(t)
+        self.data.load_state_dict(saved["data"])
+        self.mixer.bytes_sent.copy_(saved["mixer"]["bytes_sent"])
+        self.mixer.bytes_across = float(saved["mixer"]["bytes_across"])
+        self.reducer.bytes = float(saved["reducer"]["bytes"])
+        self.meters.load_state_dict(saved["meters"])
+        self.k = int(saved["k"])
 
     def agent_model(self, j: int) -> nn.Module:
-        """Agent j's module holding its current parameters (j must be held here).
-
-        With the ``loop`` strategy it is the agent's own module (its parameters
-        are views of X); with ``vmap``, a fresh copy of the template each call.
-        """
-        i = self.agents.index(j)
-        model = self.models[i] if len(self.models) == len(self.agents) else copy.deepcopy(self.models[0])
-        self.layout.load_into(model, self.X[i])
-        return model
+        """Agent j's module holding its current parameters (j must be held here; :meth:`AgentStack.model`)."""
+        return self.stack.model(j)
 
 
 def _make_algorithm(algorithm: str | Algorithm, hyper: dict) -> Algorithm:
-    """The Executor's ``algorithm``: a ready Algorithm (with no ``hyper``) or ``make_algorithm(algorithm, **hyper)``.
+    """The executor's ``algorithm``: a ready Algorithm (with no ``hyper``) or ``make_algorithm(algorithm, **hyper)``.
 
-    ``hyper`` holds every keyword the Executor did not take itself, so a name
+    ``hyper`` holds every keyword :meth:`Executor.build` did not take itself, so a name
     the rule does not take either is refused naming both lists.
     """
     if not isinstance(algorithm, str):
@@ -421,27 +387,11 @@ def _make_algorithm(algorithm: str | Algorithm, hyper: dict) -> Algorithm:
     try:
         return make_algorithm(algorithm, **hyper)
     except UnknownHyperparameter as e:
-        own = [p for p in inspect.signature(Executor).parameters if p != "hyper"]
+        own = [p for p in inspect.signature(Executor.build).parameters if p not in ("cls", "hyper")]
         raise ValueError(f"unknown option {e.name!r}: not a Simulator option ({', '.join(own)}) "
                          f"nor a hyperparameter of algorithm {e.algorithm!r} ({', '.join(e.allowed)})") from None
 
 
-def simulate(model_fn: Callable[[], nn.Module], shards: Sequence[tuple[torch.Tensor, torch.Tensor]], W=None,
-             algorithm: str | Algorithm = "cdmsgd", *, epochs: float | None = None, steps: int | None = None,
-             eval_every_steps: int | None = None, **options) -> SimulationResult:
-    """Run the simulator on your own model, loss and per-agent data, evaluating every ``eval_every_steps`` steps.
-
-    ``options`` are :class:`Simulator`'s keyword arguments (``batch_size``,
-    ``seed``, ``test_set``, ``loss_fn``, ...) and the algorithm's
-    hyperparameters (``lr``, ``momentum``, ...). Returns the metrics rows and
-    the final N×P parameters (row j is agent j; ``result.simulator.layout``
-    maps them back to named tensors).
-    """
-    eval_every_steps = renamed_keyword("simulate", options, "eval_every_steps", eval_every_steps)
-    sim = Executor(model_fn, shards, W, algorithm, **options)
-    metrics = sim.run(epochs=epochs, steps=steps, eval_every_steps=eval_every_steps)
-    return SimulationResult(metrics=metrics, params=sim.X.clone(), simulator=sim)
-
-
-#: the executor's name when it holds every agent (and its name in earlier releases)
-Simulator = Executor
+#: the friendly door's other name: ``Simulator(model_fn, shards, W, algorithm, **options)`` builds an executor
+#: holding every agent (:meth:`Executor.build`)
+Simulator = Executor.build

@@ -17,18 +17,21 @@ seeded subset of the test set).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
 
+from ..base.checks import check_int
+from ..base.seeding import generator
+from .meters import ModelStats
+
 # Every function takes the executor ``ex`` (cdsgd.executor.Executor) that holds the agents.
 
-__all__ = ["EVAL_AGENTS_AUTO", "METRIC_COLUMNS", "average_params", "consensus_distance", "default_eval_agents", "eval_params",
+__all__ = ["CONTRACT_COLUMNS", "EVAL_AGENTS_AUTO", "Evaluator", "METRIC_COLUMNS", "average_params", "consensus_distance", "default_eval_agents", "eval_params",
            "evaluate", "pick_agents"]
 
-#: the columns of a metrics row, in the order of the run-output contract
-METRIC_COLUMNS = (
+#: the columns of the run-output contract, in order (model statistics follow: :data:`METRIC_COLUMNS`)
+CONTRACT_COLUMNS = (
     "epoch",
     "step",
     "train_loss",
@@ -40,25 +43,39 @@ METRIC_COLUMNS = (
     "wall_seconds",
     "sim_seconds",
     "test_loss_avg_model",  # added after the contract's first ten columns, so their places stay
-    "mgrit_iters",          # MGRIT's training solves since the previous row (nan without a pgru model in mgrit mode)
-    "mgrit_residual",
-    "mgrit_fallbacks",
-    "mgrit_solves",
 )
 
-#: per-agent columns of the MGRIT solve counts (see :func:`_mgrit_counts`), after the 11 of :func:`evaluate`
-_MGRIT_KEYS = ("solves", "mgrit_solves", "iters", "fallbacks", "residual")
+#: the columns of a metrics row: the contract's, then those the models' statistics hook provides
+#: (:class:`cdsgd.executor.meters.ModelStats`; NaN where no model reports them)
+METRIC_COLUMNS = CONTRACT_COLUMNS + ModelStats.columns()
 
 
-def _mgrit_counts(model) -> list[float]:
-    """The counts of :meth:`cdsgd.mgrit.ParallelGRU.take_solve_stats` over the model's MGRIT layers, taken."""
-    out = [0.0] * len(_MGRIT_KEYS)
-    for m in model.modules():
-        take = getattr(m, "take_solve_stats", None)
-        if take is not None:
-            c = take()
-            out = [max(a, c[k]) if k == "residual" else a + c[k] for a, k in zip(out, _MGRIT_KEYS)]
-    return out
+class Evaluator:
+    """What evaluation looks at: the test set (on ``device``, cut to a seeded random ``eval_samples``),
+    the evaluated agents (``eval_agents`` evenly spaced of ``n_agents``; all when None) and the
+    test inputs per forward pass. It holds no state that a checkpoint needs.
+
+        >>> ev = Evaluator((torch.zeros(10, 2), torch.zeros(10, dtype=torch.long)), 5, eval_agents=2, eval_samples=4)
+        >>> ev.eval_agents, len(ev.test_set[1])
+        ([0, 4], 4)
+    """
+
+    def __init__(self, test_set: tuple[torch.Tensor, torch.Tensor] | None, n_agents: int, *,
+                 eval_agents: int | None = None, eval_samples: int | None = None, eval_batch_size: int = 1024,
+                 seed: int = 0, device: torch.device | str | None = None) -> None:
+        self.eval_batch_size = check_int("eval_batch_size", eval_batch_size)
+        if eval_agents is not None:
+            check_int("eval_agents", eval_agents)
+        if eval_samples is not None:
+            check_int("eval_samples", eval_samples)
+        self.eval_agents = pick_agents(n_agents, eval_agents)
+        self.test_set = None
+        if test_set is not None:
+            tx, ty = test_set
+            if eval_samples is not None and eval_samples < len(ty):
+                keep = torch.randperm(len(ty), generator=generator(seed, "eval"))[:eval_samples]
+                tx, ty = tx[keep], ty[keep]
+            self.test_set = (tx.to(device), ty.to(device)) if device is not None else (tx, ty)
 
 
 def pick_agents(n: int, k: int | None) -> list[int]:
@@ -141,14 +158,14 @@ def consensus_distance(ex, xbar: torch.Tensor | None = None) -> float:
 @torch.no_grad()
 def eval_params(ex, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Mean test loss and accuracy of each row of ``flats`` (evaluated with local module ``model_ids[i]``)."""
-    tx, ty = ex.test_set
-    n = len(ty)
+    tx, ty = ex.evaluator.test_set
+    n, size = len(ty), ex.evaluator.eval_batch_size
     loss_sum = np.zeros(len(model_ids))
     correct = np.zeros(len(model_ids))
     if not model_ids:
         return loss_sum, correct
-    for start in range(0, n, ex.eval_batch_size):
-        xb, yb = tx[start:start + ex.eval_batch_size], ty[start:start + ex.eval_batch_size]
+    for start in range(0, n, size):
+        xb, yb = tx[start:start + size], ty[start:start + size]
         for i, o in enumerate(ex.gradients.outputs(flats, model_ids, xb)):
             loss_sum[i] += float(ex.loss_fn(o, yb)) * len(yb)
             if o.dim() == 2 and yb.dim() == 1:
@@ -156,48 +173,29 @@ def eval_params(ex, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarr
     return loss_sum / n, correct / n
 
 
-def _mgrit_row(counts: torch.Tensor) -> dict:
-    """``mgrit_iters`` (mean V-cycles of an MGRIT solve), ``mgrit_residual`` (largest relative residual of the
-    states and adjoints used; 0 for serial ones), ``mgrit_fallbacks`` (solves done by the serial loop) and
-    ``mgrit_solves`` (forward and adjoint solves), over all agents since the previous row; nan without any."""
-    solves, mgrit_solves, iters, fallbacks = (math.fsum(col) for col in counts[:, :4].t().tolist())
-    if not solves:
-        return dict.fromkeys(("mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves"), float("nan"))
-    return {"mgrit_iters": iters / mgrit_solves if mgrit_solves else 0.0, "mgrit_residual": float(counts[:, 4].max()),
-            "mgrit_fallbacks": fallbacks, "mgrit_solves": solves}
+def _held_figures(ex) -> torch.Tensor:
+    """The held agents' L×(11 + stats) figures of one row, before they are gathered over all agents.
 
-
-def evaluate(ex) -> dict:
-    """A metrics row for the executor's current state; resets its train-loss window.
-
-    Every sum over agents is a correctly rounded sum of per-agent figures
-    gathered in agent order (one gather per evaluation), so a row does not
-    depend on how the agents are spread over processes. Also sets
-    ``ex.bytes_across_processes``: the training bytes all processes have
-    sent to other processes so far.
+    Columns: train-loss sum, train-loss count, ‖x_j − x̄‖², bytes sent, bytes across processes (on the
+    process's first agent), test loss, test accuracy, average-model accuracy and loss (on agent 0), then
+    (not summed) the first non-finite step of each agent and whether its parameters were so, then the
+    models' statistics (:class:`~cdsgd.executor.meters.ModelStats`).
     """
-    t0 = time.perf_counter()
-    L = len(ex.agents)
-    # columns: train-loss sum, train-loss count, ‖x_j − x̄‖², bytes sent, bytes across processes
-    # (on the process's first agent), test loss, test accuracy, average-model accuracy and loss (on agent 0),
-    # then (not summed) the first non-finite step of each agent and whether its parameters were so
-    # then the MGRIT solve counts (_MGRIT_KEYS: summed, the residual's maximum taken)
-    per = torch.zeros(L, 11 + len(_MGRIT_KEYS), dtype=torch.float64)
-    per[:, 9:11] = ex._nonfinite
-    if len(ex.models) == L:
-        per[:, 11:] = torch.tensor([_mgrit_counts(m) for m in ex.models], dtype=torch.float64)
-    per[:, 0], per[:, 1] = ex._loss_sums, ex._loss_counts
-    ex._loss_sums.zero_()
-    ex._loss_counts.zero_()
+    L, meters = len(ex.agents), ex.meters
+    per = torch.zeros(L, 11 + meters.stats.width, dtype=torch.float64)
+    per[:, 9:11] = meters.nonfinite.first
+    per[:, 11:] = meters.stats.take(L)
+    per[:, 0], per[:, 1] = meters.loss.take()
     xbar = average_params(ex)
     per[:, 2] = _distances(ex, xbar)
     per[:, 3] = ex.mixer.bytes_sent.cpu()
     per[0, 4] = ex.mixer.bytes_across
-    if ex.test_set is not None:
-        for m in ex.models:
+    if ex.evaluator.test_set is not None:
+        models = ex.stack.models
+        for m in models:
             m.eval()
         try:
-            held = [i for i, j in enumerate(ex.agents) if j in ex.eval_agents]
+            held = [i for i, j in enumerate(ex.agents) if j in ex.evaluator.eval_agents]
             loss, acc = eval_params(ex, ex.X[held], held)
             per[held, 5], per[held, 6] = torch.as_tensor(loss), torch.as_tensor(acc)
             if 0 in ex.agents:  # one process evaluates x̄; the sum hands its accuracy to every process
@@ -205,15 +203,28 @@ def evaluate(ex) -> dict:
                 avg_loss, avg_acc = eval_params(ex, xbar.unsqueeze(0), [i0])
                 per[i0, 7], per[i0, 8] = float(avg_acc[0]), float(avg_loss[0])
         finally:
-            for m in ex.models:
+            for m in models:
                 m.train()
-    every = ex.reducer.agent_values(per)
+    return per
+
+
+def evaluate(ex) -> tuple[dict, tuple[int, int, str] | None, float]:
+    """A metrics row for the executor's current state (resets its train-loss window), the first
+    divergence seen by any process ((step, agent, what) or None), and the training bytes all processes
+    have sent to other processes so far.
+
+    Every sum over agents is a correctly rounded sum of per-agent figures
+    gathered in agent order (one gather per evaluation), so a row does not
+    depend on how the agents are spread over processes.
+    """
+    every = ex.reducer.agent_values(_held_figures(ex))
     loss_sum, loss_count, dist2, sent, across, t_loss, t_acc, acc_avg, loss_avg = (
         math.fsum(col) for col in every[:, :9].t().tolist())
-    if ex.diverged is None and bool(every[:, 9].any()):  # the first step, then the lowest agent
+    diverged = None
+    if bool(every[:, 9].any()):  # the first step, then the lowest agent
         step, agent = min((int(s), j) for j, s in enumerate(every[:, 9].tolist()) if s)
-        ex.diverged = (step, agent, "parameters" if every[agent, 10] else "training loss")
-    ex.bytes_across_processes = across
+        diverged = (step, agent, "parameters" if every[agent, 10] else "training loss")
+    clock = ex.meters.clock
     row = {
         "epoch": ex.k / ex.steps_per_epoch,
         "step": ex.k,
@@ -223,15 +234,14 @@ def evaluate(ex) -> dict:
         "test_accuracy_avg_model": float("nan"),
         "consensus_distance": math.sqrt(dist2 / ex.n_agents),
         "bytes_sent_per_agent": sent / ex.n_agents,
-        "wall_seconds": ex._wall,
+        "wall_seconds": ex.meters.timer.train_seconds,
         # the simulated network's clock (cdsgd.executor.timing): one more sum over processes when there is one
-        "sim_seconds": math.nan if ex.clock is None else ex.clock.flush(ex.reducer),
+        "sim_seconds": math.nan if clock is None else clock.flush(ex.reducer),
         "test_loss_avg_model": float("nan"),
-        **_mgrit_row(every[:, 11:]),
+        **ModelStats.row(every[:, 11:]),
     }
-    if ex.test_set is not None:
-        count = len(ex.eval_agents)
+    if ex.evaluator.test_set is not None:
+        count = len(ex.evaluator.eval_agents)
         row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg,
                    test_loss_avg_model=loss_avg)
-    ex.eval_seconds += time.perf_counter() - t0
-    return row
+    return row, diverged, across

@@ -8,14 +8,16 @@ others would for the same agents.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
 
+from ..base.checks import check_int
 from ..base.flat import kept as kept_buffer
-from ..base.seeding import derive_seed
+from ..base.seeding import derive_seed, generator
 
-__all__ = ["AgentRNG", "BatchStream", "check_shards", "gather"]
+__all__ = ["AgentRNG", "BatchStream", "DataFeed", "check_shards", "gather"]
 
 
 class BatchStream:
@@ -131,3 +133,57 @@ def check_shards(shards: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
         if len(shard[0]) != len(shard[1]):
             raise ValueError(f"shard {j} has {len(shard[0])} inputs but {len(shard[1])} targets")
     return len(shards)
+
+
+class DataFeed:
+    """The held agents' training data: their shards, batch streams and augmentation streams.
+
+    Agent j draws batches from ``batch_stream(j, generator(seed, j, "data"))`` (default: a
+    :class:`BatchStream` over its shard) and, with ``augment``, transforms each batch with its own
+    generator seeded from (seed, j, "augment"). An epoch is ``steps_per_epoch`` steps (default
+    ceil(mean shard size / batch_size), the mean over all N shards).
+
+        >>> feed = DataFeed([(torch.zeros(6, 2), torch.zeros(6)), (torch.ones(4, 2), torch.ones(4))], [1],
+        ...                 batch_size=2, seed=0)
+        >>> feed.n_agents, feed.steps_per_epoch, feed.batches([0])[0][0].tolist()
+        (2, 3, [[1.0, 1.0], [1.0, 1.0]])
+    """
+
+    def __init__(self, shards: Sequence[tuple[torch.Tensor, torch.Tensor]], held: Sequence[int], *,
+                 batch_size: int = 32, seed: int = 0, device: torch.device | str | None = None,
+                 augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+                 batch_stream: Callable[[int, torch.Generator], object] | None = None,
+                 steps_per_epoch: int | None = None) -> None:
+        self.n_agents = n = check_shards(shards)
+        self.batch_size = check_int("batch_size", batch_size)
+        self.shards = [(shards[j][0].to(device), shards[j][1].to(device)) if device is not None else shards[j]
+                       for j in held]
+        if batch_stream is None:
+            def batch_stream(j, gen):
+                return BatchStream(len(shards[j][1]), self.batch_size, gen)
+        self.streams = [batch_stream(j, generator(seed, j, "data")) for j in held]
+        self.augment = augment
+        self.augment_generators = [generator(seed, j, "augment") for j in held] if augment else []
+        self._kept: dict = {}
+        mean_shard = sum(len(y) for _, y in shards) / n
+        self.steps_per_epoch = (max(1, math.ceil(mean_shard / self.batch_size)) if steps_per_epoch is None
+                                else check_int("steps_per_epoch", steps_per_epoch))
+
+    def batches(self, active: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next training batch of each active held agent (into buffers kept for it; augmented on its own
+        stream). Valid until the next call."""
+        out = []
+        for i in active:
+            xb, yb = gather(*self.shards[i], self.streams[i].next(), self._kept, i)
+            out.append((xb if self.augment is None else self.augment(xb, self.augment_generators[i]), yb))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"streams": [s.state_dict() for s in self.streams],
+                "augment": [g.get_state() for g in self.augment_generators]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for stream, s in zip(self.streams, state["streams"], strict=True):
+            stream.load_state_dict(s)
+        for g, s in zip(self.augment_generators, state["augment"], strict=True):
+            g.set_state(s)

@@ -1,15 +1,6 @@
-"""The executor's clocks: its measured training time (:func:`charge_step`) and its side of a simulated
-network (:mod:`cdsgd.network`): what each step tells the clock.
+"""The executor's side of a simulated network (:mod:`cdsgd.network`): what each step tells the clock.
 
-**Measured time.** The first step a process runs pays for compilation and
-first calls (the ``vmap`` strategy: about 0.9 s against 2 ms for a later
-step of the digits MLP). That step's seconds go to ``warmup_seconds``; the
-training time (``wall_seconds`` of each row, the ETA) counts the later
-steps only, so a short run's time and a ``loss_vs_time`` curve measure
-training, not the start-up. A resumed process warms up again: its first step
-is warm-up too.
-
-**Simulated network.**
+(The measured training time is :class:`cdsgd.executor.meters.StepTimer`'s.)
 
 After every step the executor records, for each agent it holds, the
 seconds its gradient took (the process's gradient time divided by the
@@ -30,26 +21,7 @@ from ..algorithms import ALGORITHMS, Algorithm
 from ..mixers import Mixer
 from ..network import LossyMixer, NetworkClock, NetworkSpec
 
-__all__ = ["ClockFeed", "charge_step", "check_network", "clock_traffic", "lossy_algorithms"]
-
-
-def charge_step(ex, seconds: float) -> None:
-    """Charge one step's ``seconds`` to executor ``ex``: its process's first step to ``ex.warmup_seconds``,
-    every later one to its training time (``wall_seconds``) and to ``ex.timed_steps``.
-
-    >>> from types import SimpleNamespace
-    >>> ex = SimpleNamespace(_warm=False, warmup_seconds=0.0, _wall=0.0, timed_steps=0)
-    >>> for s in (0.9, 0.002, 0.002):
-    ...     charge_step(ex, s)
-    >>> ex.warmup_seconds, ex._wall, ex.timed_steps
-    (0.9, 0.004, 2)
-    """
-    if ex._warm:
-        ex._wall += seconds
-        ex.timed_steps += 1
-    else:
-        ex.warmup_seconds += seconds
-        ex._warm = True
+__all__ = ["ClockFeed", "check_network", "clock_traffic", "lossy_algorithms"]
 
 
 def clock_traffic(algorithm: Algorithm) -> str:

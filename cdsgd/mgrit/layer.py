@@ -8,6 +8,8 @@ also run the serial loop. The maths: :mod:`cdsgd.mgrit`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -151,6 +153,40 @@ class ParallelGRU(nn.Module):
     def take_solve_stats(self) -> dict:
         """Counts of the training solves since the last call (:meth:`SolveLog.take`), then reset."""
         return self.solve_log.take()
+
+    # --- the statistics hook of cdsgd.models.STAT_PROVIDERS: the metrics.csv columns of MGRIT's solves
+
+    #: the figures :meth:`take_stats` gives per agent (summed over agents and layers, ``residual`` maximised)
+    stat_keys = ("solves", "mgrit_solves", "iters", "fallbacks", "residual")
+    #: the metrics.csv columns :meth:`stats_row` fills
+    stat_columns = ("mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves")
+
+    def take_stats(self) -> list[float]:
+        """:meth:`take_solve_stats` as a list in :attr:`stat_keys` order (then reset)."""
+        counts = self.take_solve_stats()
+        return [float(counts[k]) for k in self.stat_keys]
+
+    @classmethod
+    def combine_stats(cls, a: list[float], b: list[float]) -> list[float]:
+        """Two layers' figures of one agent: counts add up, the residual is the larger."""
+        return [max(x, y) if k == "residual" else x + y for x, y, k in zip(a, b, cls.stat_keys)]
+
+    @staticmethod
+    def stats_row(every: torch.Tensor) -> dict:
+        """The columns over all agents (``every``: N × stat_keys) since the previous row.
+
+        ``mgrit_iters`` (mean V-cycles of an MGRIT solve), ``mgrit_residual`` (largest relative residual
+        of the states and adjoints used; 0 for serial ones), ``mgrit_fallbacks`` (solves done by the
+        serial loop) and ``mgrit_solves`` (forward and adjoint solves); NaN without any solve.
+
+        >>> ParallelGRU.stats_row(torch.tensor([[2, 1, 3, 1, 1e-7], [2, 2, 4, 0, 1e-6]], dtype=torch.float64))
+        {'mgrit_iters': 2.3333333333333335, 'mgrit_residual': 1e-06, 'mgrit_fallbacks': 1.0, 'mgrit_solves': 4.0}
+        """
+        solves, mgrit_solves, iters, fallbacks = (math.fsum(col) for col in every[:, :4].t().tolist())
+        if not solves:
+            return dict.fromkeys(ParallelGRU.stat_columns, float("nan"))
+        return {"mgrit_iters": iters / mgrit_solves if mgrit_solves else 0.0,
+                "mgrit_residual": float(every[:, 4].max()), "mgrit_fallbacks": fallbacks, "mgrit_solves": solves}
 
     def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None):
         if self.mode not in self.MODES:

@@ -17,8 +17,6 @@ import torch
 
 import topologies
 
-from ..base.compat import renamed_attribute
-
 __all__ = ["Handle", "Mixer", "allreduce_bytes", "check_mixer", "is_schedule", "is_sparse", "neighbourhood",
            "ordered_weighted_sum", "overlaps", "result_tensor"]
 
@@ -142,10 +140,12 @@ class Mixer(abc.ABC):
     #: the agents (global indices) whose rows the stacks handed to this mixer hold
     agents: list[int]
     #: the matrix this mixer applies (dense array, ``scipy.sparse``, or a :class:`topologies.Schedule`);
-    #: None for 11ᵀ/N or when unknown (a user's own mixer). Update rules check it (``check_mixing``).
+    #: None for 11ᵀ/N or when unknown (a user's own mixer). An update rule checks it once, where it meets the
+    #: mixer (``Algorithm.init_state``, ``Algorithm.check_mixer``).
     matrix = None
-
-    rows = renamed_attribute()  # the old name of agents (cdsgd.base.compat)
+    #: the mixer whose ``matrix`` this one applies a part of (a :class:`~cdsgd.mixers.ScheduleMixer`, on the mixer
+    #: of each step it builds, with that step's ``phase`` k mod T; a lossy network's mixer names its base), or None
+    part_of: "Mixer | None" = None
 
     @abc.abstractmethod
     def start(self, X: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:

@@ -42,6 +42,8 @@ Example (a path 0 – 1 – 2; each agent sends each neighbour 10·i + l)::
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -182,10 +184,13 @@ class EdgeTable:
         return out
 
 
+#: each mixer's EdgeTable, built once, kept here (not on the mixer) for as long as the mixer lives
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def edge_table(mixer) -> EdgeTable:
-    """The :class:`EdgeTable` of ``mixer`` (built once and kept on it)."""
-    table = mixer.__dict__.get("_edge_table")
+    """The :class:`EdgeTable` of ``mixer`` (built once per mixer)."""
+    table = _TABLES.get(mixer)
     if table is None:
-        table = EdgeTable(np.asarray(mixer.edges), mixer.agents, getattr(mixer, "matrix", None))
-        mixer.__dict__["_edge_table"] = table
+        table = _TABLES[mixer] = EdgeTable(np.asarray(mixer.edges), mixer.agents, getattr(mixer, "matrix", None))
     return table

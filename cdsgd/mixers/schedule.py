@@ -53,7 +53,7 @@ class ScheduleMixer(Mixer):
             mixer = self._make(self.schedule[k])
             if self._phases:
                 mixer.bytes_sent = self.bytes_sent  # one counter for every step of the period
-            mixer.part_of = self  # update rules check the schedule, not one of its steps
+            mixer.part_of = self  # its matrix is the schedule (what update rules check), not one of its steps
             mixer.phase = k  # W_k's place in the period: dsgt mixes its tracker with part_of.at(phase − 1)
             self._phases[k] = mixer
         return self._phases[k]
@@ -78,8 +78,8 @@ class ScheduleMixer(Mixer):
         return self.at(0).average(X, mask, out=out)
 
 
-def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = False,
-               column_stochastic: bool | None = None, per_matrix=None, validated: bool = False) -> Mixer:
+def make_mixer(W, *, n_agents: int | None = None, exact: bool = False, column_stochastic: bool = False,
+               per_matrix=None, validated: bool = False) -> Mixer:
     """The one way from a mixing matrix to a Mixer.
 
     Args:
@@ -87,23 +87,21 @@ def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = 
             :class:`topologies.Schedule` (time-varying: a :class:`ScheduleMixer`),
             None (Π = 11ᵀ/N, i.e. all-reduce; needs ``n_agents``), or a ready
             :class:`Mixer` (checked and returned as it is).
-        algorithm: the :class:`~cdsgd.algorithms.Algorithm` that will use it:
-            its ``check_mixing`` runs here (D²'s eigenvalue condition, push-sum's
-            column-stochastic P, a doubly stochastic W for the other neighbour
-            rules), and a neighbour rule refuses None.
         n_agents: the number of agents the caller has (checked against W).
         exact: the exact (runtime-identical rounding) mode of :class:`MatrixMixer`.
-        column_stochastic: validate W as a push-sum matrix (columns sum to 1);
-            default: what ``algorithm`` takes (``sgp``), else False.
+        column_stochastic: validate W as a push-sum matrix (columns sum to 1, rows
+            need not) instead of a doubly stochastic one: for a rule that takes
+            one (``Algorithm.column_stochastic``: ``sgp``).
         per_matrix: ``per_matrix(W_k, exact=..., validate=False)`` builds the
             mixer of one (validated) matrix: :class:`MatrixMixer` by default;
             the runtime passes its ``BlockMixer``.
         validated: W was validated already (the run path: ``topologies.mixing_matrix``
-            validates what it builds), so it is not validated again; the
-            algorithm's ``check_mixing`` still runs.
+            validates what it builds), so it is not validated again.
 
     A matrix is validated once (:func:`topologies.validate`; a schedule's
     steps were validated when it was built); ValueError naming what is wrong.
+    Whether an update rule can run with it (D²'s eigenvalue condition, ...)
+    is the rule's to say where it meets the mixer (``Algorithm.init_state``).
 
     >>> import topologies
     >>> m = make_mixer(topologies.mixing_matrix(topologies.build("ring", 4)), n_agents=4)
@@ -113,42 +111,28 @@ def make_mixer(W, *, algorithm=None, n_agents: int | None = None, exact: bool = 
     'ScheduleMixer'
     """
     per_matrix = MatrixMixer if per_matrix is None else per_matrix
-    if column_stochastic is None:
-        column_stochastic = bool(getattr(algorithm, "column_stochastic", False))
     if isinstance(W, Mixer):
         mixer = check_mixer(W)
         if n_agents is not None and mixer.n_agents != n_agents:
             raise ValueError(f"mixer is for {mixer.n_agents} agents but there are {n_agents} agents")
-        if algorithm is not None:
-            algorithm.accept(mixer)
         return mixer
     if W is None:
-        if algorithm is not None and algorithm.traffic == "neighbours":
-            raise ValueError(f"algorithm {algorithm.name!r} mixes with neighbours: give the mixing matrix W")
         if n_agents is None:
             raise ValueError("W=None stands for Π = 11ᵀ/N (all-reduce) and needs n_agents")
         return per_matrix(None, exact=exact, validate=False, n_agents=n_agents)
     if is_schedule(W):
         if n_agents is not None and W.n != n_agents:
             raise ValueError(f"schedule {W!r} is for {W.n} agents but there are {n_agents} agents")
-        if algorithm is not None:
-            algorithm.check_mixing(W)
-        mixer = ScheduleMixer(W, lambda Wk: per_matrix(Wk, exact=exact, validate=False))
-    else:
-        if isinstance(W, torch.Tensor):  # on any device: W is small next to X, and read on the host
-            W = W.detach().cpu().numpy()
-        if not is_sparse(W):
-            W = np.asarray(W, dtype=np.float64)
-        if W.ndim != 2 or W.shape[0] != W.shape[1]:
-            raise ValueError(f"a mixing matrix must be square (N×N), got shape {tuple(W.shape)}; a time-varying "
-                             "schedule is a topologies.Schedule (topologies.schedule(...))")
-        if n_agents is not None and W.shape[0] != n_agents:
-            raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n_agents} agents")
-        if not validated:
-            W = topologies.validate(W, symmetric=not column_stochastic, row_sums=not column_stochastic)
-        if algorithm is not None:
-            algorithm.check_mixing(W)
-        mixer = per_matrix(W, exact=exact, validate=False)
-    if algorithm is not None:
-        mixer.__dict__.setdefault("_accepted_by", set()).add(type(algorithm))
-    return mixer
+        return ScheduleMixer(W, lambda Wk: per_matrix(Wk, exact=exact, validate=False))
+    if isinstance(W, torch.Tensor):  # on any device: W is small next to X, and read on the host
+        W = W.detach().cpu().numpy()
+    if not is_sparse(W):
+        W = np.asarray(W, dtype=np.float64)
+    if W.ndim != 2 or W.shape[0] != W.shape[1]:
+        raise ValueError(f"a mixing matrix must be square (N×N), got shape {tuple(W.shape)}; a time-varying "
+                         "schedule is a topologies.Schedule (topologies.schedule(...))")
+    if n_agents is not None and W.shape[0] != n_agents:
+        raise ValueError(f"mixing matrix W is {'x'.join(map(str, W.shape))} but there are {n_agents} agents")
+    if not validated:
+        W = topologies.validate(W, symmetric=not column_stochastic, row_sums=not column_stochastic)
+    return per_matrix(W, exact=exact, validate=False)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import csv
 import datetime
 import json
-import math
 import os
 import re
 import sys
@@ -44,21 +43,18 @@ import numpy as np
 import torch
 
 import topologies
-from .. import __version__
 from ..base.comm import CommError
 from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
-from ..data import random_crop_flip
 from ..executor import METRIC_COLUMNS, Diverged, Executor
-from ..executor.asynchronous import executor_class
-from ..executor.evaluation import default_eval_agents
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
 from .hints import diverged_hint, eval_hint, resume_hint
 from .interrupt import StopBetweenSteps
 from .logger import make_logger
-from .plan import Parts, Plan, hyperparameters, prepare, validate_config
+from .plan import Parts, Plan, build_executor, hyperparameters, prepare, validate_config
 from .progress import Progress, pick_mode, safe_stream
+from .summary import summary_end, summary_identity, summary_start
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
@@ -134,43 +130,6 @@ def _find_checkpoint(cfg: Config, out: Path, group: Group, *, log: Callable[[str
     return payload
 
 
-def _json_number(v):
-    return None if isinstance(v, float) and math.isnan(v) else v
-
-
-def make_executor(cfg: Config, parts: Parts, group: Group) -> Executor:
-    """The executor of this process: every agent (one process) or the block of agents its rank holds."""
-    return executor_class(parts.plan.algorithm)(  # AsyncExecutor for adpsgd
-        parts.model_fn, parts.shards, group.mixer(parts.W, exact=cfg.exact, n_agents=cfg.n_agents), parts.plan.algorithm,
-        batch_size=cfg.batch_size, seed=cfg.seed, init=cfg.init, strategy=cfg.strategy,
-        test_set=parts.test_set, eval_batch_size=cfg.eval_batch_size,
-        eval_agents=cfg.eval_agents or default_eval_agents(cfg.n_agents), eval_samples=cfg.eval_samples or None, exact=cfg.exact,
-        augment=random_crop_flip if cfg.augment else None, overlap=cfg.overlap, device=cfg.device,
-        batch_stream=parts.batch_stream, steps_per_epoch=parts.steps_per_epoch, grad_clip=cfg.grad_clip,
-        agents=group.agents, reducer=group.reducer(torch.device(cfg.device)), network=parts.plan.network,
-    )
-
-
-def to_target(rows: list[dict], target: float) -> dict:
-    """The first evaluation whose ``test_accuracy`` reaches ``target``: its step, simulated and wall seconds.
-
-    ``{"target_accuracy": target, "steps_to_target": ..., "sim_seconds_to_target": ...,
-    "wall_seconds_to_target": ...}``, the last three None when no row reaches it (or, for the
-    simulated seconds, when the run has no network).
-
-    >>> to_target([{"step": 5, "test_accuracy": 0.7, "sim_seconds": 1.0, "wall_seconds": 0.1},
-    ...            {"step": 10, "test_accuracy": 0.85, "sim_seconds": 2.0, "wall_seconds": 0.2}], 0.8)["steps_to_target"]
-    10
-    """
-    hit = next((r for r in rows if r["test_accuracy"] >= target), None)
-    out = {"target_accuracy": target, "steps_to_target": None, "sim_seconds_to_target": None,
-           "wall_seconds_to_target": None}
-    if hit is not None:
-        out.update(steps_to_target=hit["step"], sim_seconds_to_target=_json_number(hit.get("sim_seconds", float("nan"))),
-                   wall_seconds_to_target=hit["wall_seconds"])
-    return out
-
-
 def _default_log(msg: str) -> None:
     print(msg, file=safe_stream(sys.stderr), flush=True)  # a reader gone away stops the output, not the run
 
@@ -186,9 +145,7 @@ def _write_failure(out: Path, cfg: Config, e: BaseException, started: float, sta
     if had.get("status", "running") != "running":
         return
     summary = {**had, "status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
-               "out": str(out), **cfg.identity(), "executor": cfg.executor,
-               "total_seconds": had.get("total_seconds", time.perf_counter() - started),
-               "torch_version": torch.__version__, "cdsgd_version": __version__}
+               **summary_identity(cfg, out), "total_seconds": had.get("total_seconds", time.perf_counter() - started)}
     if not (out / "config.toml").exists():
         atomic_write(out / "config.toml", dump_config(cfg))
     atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -231,7 +188,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
         parts = prepare(cfg, plan)  # the data loads before the output folder exists: a missing file leaves none
         out = Path(group.decide(lambda: _prepare_out(cfg, resume=resume)))
         cfg = Config(**{**cfg.__dict__, "out": str(out)})
-        sim = make_executor(cfg, parts, group)
+        sim = build_executor(cfg, parts, group)
         if not resume:
             ckpt.remove_all(out)  # an earlier run's checkpoints (overwrite=true) must never be resumed into this one
         # "resume" differs between a first attempt and a restart: compare the config without it
@@ -260,8 +217,120 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
             group.release()
 
 
-def _csv_row(row: dict) -> dict:
-    return {k: repr(v) if isinstance(v, float) else v for k, v in row.items()}
+def _announce(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, total: int, every: int,
+              summary: dict, log: Callable[[str], None]) -> None:
+    """Say what runs (and its warnings); do the rule's one-off preparation (CHOCO's γ); note the network."""
+    plan = parts.plan
+    graph = (f"on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(parts.spectral_gap.gap)})"
+             if plan.uses_graph else f"(n={cfg.n_agents}, "
+             f"{'all-reduce' if plan.algorithm.traffic == 'allreduce' else 'no communication'}, no graph)")
+    log(f"cdsgd run: {cfg.algorithm} {graph}, "
+        f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
+        f"{total} steps, executor {cfg.executor}"
+        + (f" ({cfg.n_agents // world} agent(s) in each of {world} processes)" if world > 1 else "")
+        + f", output {out}"
+        + (f", checkpoint every {every} steps" if every else ""))
+    for note in plan.notes:
+        log(f"warning: {note}")
+    for line in sim.algorithm.prepare(sim.mixer.at(sim.k), sim.X):  # e.g. CHOCO's consensus_step="auto"
+        log(line)
+    if sim.clock is not None:
+        clock = sim.clock.clock
+        summary.update(network_params_used=clock.spec.params(), stragglers=np.flatnonzero(clock.straggler).tolist())
+        log(f"simulated network {clock.spec.name}: " + ", ".join(f"{k} {v:g}" for k, v in clock.spec.params().items()
+                                                                  if v is not None) + " (sim_seconds in metrics.csv)")
+    if getattr(plan.algorithm, "needs_tree", False):
+        summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in plan.graph.edges())
+
+
+class _MetricsFile:
+    """metrics.csv of rank 0 (nothing elsewhere): the header and any earlier rows, then each row flushed to disk."""
+
+    def __init__(self, path: Path | None, rows: list[dict]) -> None:
+        self.f = open(path, "w", newline="") if path is not None else None
+        if self.f is not None:
+            self.writer = csv.DictWriter(self.f, fieldnames=list(METRIC_COLUMNS))
+            self.writer.writeheader()
+            self.write(*rows)  # a resumed run's rows up to its checkpoint
+
+    def write(self, *rows: dict) -> None:
+        if self.f is None:
+            return
+        self.writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+class _Loop:
+    """What happens around the executor's steps in a run: rows written and shown, checkpoints taken."""
+
+    def __init__(self, cfg: Config, sim: Executor, out: Path, group: Group, *, rows: list[dict], before: float,
+                 started: float, total: int, every: int, shown: Progress, board, metrics: _MetricsFile,
+                 summary: dict) -> None:
+        self.cfg, self.sim, self.out, self.group, self.rows = cfg, sim, out, group, rows
+        self.before, self.started, self.total, self.every = before, started, total, every
+        self.shown, self.board, self.metrics, self.summary = shown, board, metrics, summary
+        self.hinted = False
+        self.stop = StopBetweenSteps(enabled=group.world == 1)  # ranks could not agree on the step to stop at
+
+    def on_row(self, row: dict) -> None:
+        self.rows.append(row)
+        self.board.row(row)
+        self.metrics.write(row)
+        self.shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
+                       f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
+                       f"consensus {row['consensus_distance']:.3g}"
+                       + (f"  mgrit {row['mgrit_iters']:.1f} it, {row['mgrit_fallbacks']:.0f}/"
+                          f"{row['mgrit_solves']:.0f} serial" if row.get("mgrit_solves", 0) > 0 else ""), row)
+        hint = "" if self.hinted else eval_hint(self.cfg, self.sim)
+        if hint:
+            self.hinted = True
+            self.shown.note(f"note: {hint}")
+
+    def on_step(self, k: int) -> None:
+        self.shown.step(k)
+        self.board.train_loss(k, self.sim.last_loss)
+
+    def save_checkpoint(self, k: int) -> None:
+        state = {"config": ckpt.config_for_checkpoint(self.cfg.__dict__), "world": self.group.world,
+                 "simulator": self.sim.state_dict(), "rows": self.rows,
+                 "total_seconds": self.before + time.perf_counter() - self.started}
+        ckpt.save(self.out, k, self.group.rank, state)
+        self.sim.reducer.barrier(f"checkpoint of step {k} (waiting for every rank to write its file)")
+        ckpt.prune(self.out, self.group.rank, keep=k)  # step k is complete on every rank: older ones are not needed
+
+    def after_step(self, k: int) -> None:
+        periodic = self.every and (k % self.every == 0 or k == self.total)  # at the end too: a run can be extended
+        if periodic or self.stop.requested:  # Ctrl-C/SIGTERM held until now: a checkpoint of the step it stopped
+            self.save_checkpoint(k)
+        if self.stop.requested:
+            self.summary["checkpoint_at_interruption"] = k
+            self.stop.deliver()
+
+    def train(self, eval_steps: int) -> None:
+        """Run the remaining steps; then, with ``save_params``, write params.pt."""
+        sim = self.sim
+        if self.total > sim.k:
+            with self.stop:
+                sim.run(steps=self.total - sim.k, eval_every_steps=eval_steps, callback=self.on_row,
+                        progress=self.on_step, after_step=self.after_step)
+        if self.cfg.save_params:
+            params = sim.reducer.gather(sim.X)
+            if self.group.rank == 0:
+                atomic_write(self.out / "params.pt", lambda f: torch.save(params.cpu(), f))
+
+
+def _restore(sim: Executor, resume: dict, total: int, cfg: Config) -> tuple[list[dict], float]:
+    """Load a checkpoint payload into ``sim``: its rows and the seconds the run had taken."""
+    sim.load_state_dict(resume["simulator"])
+    if sim.k > total:
+        raise ValueError(f"the checkpoint is of step {sim.k}, beyond this run's {total} steps "
+                         f"(epochs={cfg.epochs:g}); a run can be extended, not shortened")
+    return [dict(r) for r in resume["rows"]], float(resume.get("total_seconds", 0.0))
 
 
 def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *, mode: str,
@@ -273,170 +342,58 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
     written again, and the run goes on from its step.
     """
     started = time.perf_counter() if started is None else started
-    writer, rank, world = group.rank == 0, group.rank, group.world
+    writer, world = group.rank == 0, group.world
     total = max(1, round(cfg.epochs * sim.steps_per_epoch))
     every = _checkpoint_steps(cfg, sim.steps_per_epoch)
-    gap = parts.spectral_gap
-    summary = {
-        "status": "running",
-        "out": str(out),
-        **cfg.identity(),
-        "executor": cfg.executor,
-        "processes": world,
-        "topology_used": parts.plan.uses_graph,  # false: sgd, msgd, fedavg, local (the gap is their averaging's)
-        "spectral_gap": gap.gap,
-        "lambda2": gap.lambda2,
-        "effective_neighbours": _json_number(parts.plan.effective_neighbours()) if writer else None,
-        "effective_neighbours_decay": topologies.EFFECTIVE_DECAY,
-        "topology_draw": parts.graph.graph.get("draw") if parts.plan.uses_graph else None,  # random graphs'
-        "n_parameters": sim.layout.numel,
-        "steps_per_epoch": sim.steps_per_epoch,
-        "strategy": sim.strategy,
-        "evaluated_agents": sim.eval_agents,
-        "warnings": list(parts.plan.notes),
-        "torch_version": torch.__version__,
-        "cdsgd_version": __version__,
-    }
-    rows: list[dict] = []
-    before = 0.0  # seconds the run took before its checkpoint (a resumed run's total counts them)
+    summary = summary_start(cfg, sim, parts, out, world, writer)
+    rows, before = [], 0.0  # before: seconds the run took before its checkpoint (a resumed run's total counts them)
     if resume is not None:
-        sim.load_state_dict(resume["simulator"])
-        if sim.k > total:
-            raise ValueError(f"the checkpoint is of step {sim.k}, beyond this run's {total} steps "
-                             f"(epochs={cfg.epochs:g}); a run can be extended, not shortened")
-        rows = [dict(r) for r in resume["rows"]]
-        before = float(resume.get("total_seconds", 0.0))
+        rows, before = _restore(sim, resume, total, cfg)
         summary["resumed_from_step"] = sim.k
     if writer:
         atomic_write(out / "config.toml", dump_config(cfg))
-    graph = (f"on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(gap.gap)})"
-             if parts.plan.uses_graph else f"(n={cfg.n_agents}, "
-             f"{'all-reduce' if parts.plan.algorithm.traffic == 'allreduce' else 'no communication'}, no graph)")
-    log(f"cdsgd run: {cfg.algorithm} {graph}, "
-        f"{cfg.dataset}/{cfg.partition}, model {cfg.model} ({sim.layout.numel} parameters), "
-        f"{total} steps, executor {cfg.executor}"
-        + (f" ({cfg.n_agents // world} agent(s) in each of {world} processes)" if world > 1 else "")
-        + f", output {out}"
-        + (f", checkpoint every {every} steps" if every else ""))
-    for note in parts.plan.notes:
-        log(f"warning: {note}")
-    for line in sim.algorithm.prepare(sim.mixer.at(sim.k), sim.X):  # e.g. CHOCO's consensus_step="auto"
-        log(line)
-    if sim.clock is not None:
-        clock = sim.clock.clock
-        summary.update(network_params_used=clock.spec.params(), stragglers=np.flatnonzero(clock.straggler).tolist())
-        log(f"simulated network {clock.spec.name}: " + ", ".join(f"{k} {v:g}" for k, v in clock.spec.params().items()
-                                                                  if v is not None) + " (sim_seconds in metrics.csv)")
-    if getattr(parts.plan.algorithm, "needs_tree", False):
-        summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in parts.plan.graph.edges())
+    _announce(cfg, sim, parts, out, world, total, every, summary, log)
     eval_steps = cfg.eval_steps or cfg.eval_every * sim.steps_per_epoch
     shown = Progress(total=total, every=eval_steps, mode=mode, log=log, initial=sim.k,
-                     timing=lambda: (sim._wall, sim.timed_steps, sim.eval_seconds, len(rows)))  # since step 0
+                     timing=lambda: (sim.train_seconds, sim.timed_steps, sim.eval_seconds, len(rows)))  # since step 0
     board = make_logger(cfg.logger if writer else "none", out,
                         purge_step=(sim.k + 1) if resume is not None else (0 if cfg.overwrite else None))
     board.text("config", dump_config(cfg))
     board.replay(rows)  # a resumed run's rows (those the stopped run logged already are kept as they are)
-    f = open(out / "metrics.csv", "w", newline="") if writer else None
-    hinted = False
+    metrics = _MetricsFile(out / "metrics.csv" if writer else None, rows)
+    loop = _Loop(cfg, sim, out, group, rows=rows, before=before, started=started, total=total, every=every,
+                 shown=shown, board=board, metrics=metrics, summary=summary)
     try:
-        csv_writer = None
-        if f is not None:
-            csv_writer = csv.DictWriter(f, fieldnames=list(METRIC_COLUMNS))
-            csv_writer.writeheader()
-            csv_writer.writerows(_csv_row(r) for r in rows)  # a resumed run's rows up to its checkpoint
-            f.flush()
-            os.fsync(f.fileno())
-
-        def on_row(row: dict) -> None:
-            nonlocal hinted
-            rows.append(row)
-            board.row(row)
-            if csv_writer is not None:
-                csv_writer.writerow(_csv_row(row))
-                f.flush()
-                os.fsync(f.fileno())
-            shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
-                      f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
-                      f"consensus {row['consensus_distance']:.3g}"
-                      + (f"  mgrit {row['mgrit_iters']:.1f} it, {row['mgrit_fallbacks']:.0f}/{row['mgrit_solves']:.0f} "
-                         f"serial" if row.get("mgrit_solves", 0) > 0 else ""), row)
-            hint = "" if hinted else eval_hint(cfg, sim)
-            if hint:
-                hinted = True
-                shown.note(f"note: {hint}")
-
-        def on_step(k: int) -> None:
-            shown.step(k)
-            board.train_loss(k, sim.last_loss)
-
-        def save_checkpoint(k: int) -> None:
-            state = {"config": ckpt.config_for_checkpoint(cfg.__dict__), "world": world,
-                     "simulator": sim.state_dict(), "rows": rows,
-                     "total_seconds": before + time.perf_counter() - started}
-            ckpt.save(out, k, rank, state)
-            sim.reducer.barrier(f"checkpoint of step {k} (waiting for every rank to write its file)")
-            ckpt.prune(out, rank, keep=k)  # step k is complete on every rank: older ones are not needed
-
-        stop = StopBetweenSteps(enabled=world == 1)  # ranks could not agree on the step to stop at
-
-        def after_step(k: int) -> None:
-            periodic = every and (k % every == 0 or k == total)  # and at the end: a finished run can be extended
-            if periodic or stop.requested:  # Ctrl-C/SIGTERM held until now: a checkpoint of the step it stopped
-                save_checkpoint(k)
-            if stop.requested:
-                summary["checkpoint_at_interruption"] = k
-                stop.deliver()
-
-        try:
-            if total > sim.k:
-                with stop:
-                    sim.run(steps=total - sim.k, eval_every_steps=eval_steps, callback=on_row, progress=on_step,
-                            after_step=after_step)
-            if cfg.save_params:
-                params = sim.reducer.gather(sim.X)
-                if writer:
-                    atomic_write(out / "params.pt", lambda f: torch.save(params.cpu(), f))
-            summary["status"] = "completed"
-        except Diverged as e:
-            summary.update(status="diverged", error=str(e), diverged_at_step=e.step, diverged_agent=e.agent,
-                           diverged_what=e.what)
-            shown.close()
-            log(f"cdsgd run: stopped at step {e.step} of {total}, status diverged; {diverged_hint(cfg)}")
-            raise
-        except (Exception, KeyboardInterrupt) as e:
-            try:
-                failure = group.diagnose(e)
-            except Terminated:  # torchrun stopping every rank after the same loss, while this rank asked who
-                failure = group.diagnose(e)  # was lost: the loss is the cause; ask again (SIGTERM comes once)
-            summary["error"], summary["status"] = failure.message, failure.status(e)
-            if summary["status"] == "interrupted":
-                shown.close()
-                saved = "checkpoint_at_interruption" in summary
-                log(f"cdsgd run: interrupted at step {sim.k} of {total}; {resume_hint(cfg, out, world, saved=saved)}")
-            raise
-        finally:
-            shown.close()
-            board.close()
-            final = rows[-1] if rows else {}
-            accs = [r["test_accuracy"] for r in rows if not math.isnan(r["test_accuracy"])]
-            summary.update({k: _json_number(v) for k, v in final.items()})
-            summary["best_test_accuracy"] = max(accs) if accs else None
-            summary["simulated_seconds"] = _json_number(final.get("sim_seconds", float("nan")))
-            if sim.clock is not None:
-                summary["lost_messages"] = sim.clock.clock.lost_messages
-            if cfg.target_accuracy:
-                summary.update(to_target(rows, cfg.target_accuracy))
-            summary["evaluations"] = len(rows)
-            summary["train_seconds"] = sim._wall
-            summary["warmup_seconds"] = sim.warmup_seconds  # the first step of each process, not in train_seconds
-            summary["eval_seconds"] = sim.eval_seconds
-            summary["total_seconds"] = before + time.perf_counter() - started
-            summary["eval_bytes_per_agent"] = int(round(sim.reducer.bytes))
-            summary["bytes_across_processes"] = sim.bytes_across_processes
-            summary.update(sim.algorithm.summary())
-            if writer:
-                atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        loop.train(eval_steps)
+        summary["status"] = "completed"
+    except Diverged as e:
+        summary.update(status="diverged", error=str(e), diverged_at_step=e.step, diverged_agent=e.agent,
+                       diverged_what=e.what)
+        shown.close()
+        log(f"cdsgd run: stopped at step {e.step} of {total}, status diverged; {diverged_hint(cfg)}")
+        raise
+    except (Exception, KeyboardInterrupt) as e:
+        _record_failure(summary, group, e, shown, log, cfg, sim, total, out)
+        raise
     finally:
-        if f is not None:
-            f.close()
+        shown.close()
+        board.close()
+        metrics.close()
+        summary_end(summary, cfg, sim, rows, before + time.perf_counter() - started)
+        if writer:
+            atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _record_failure(summary: dict, group: Group, e: BaseException, shown: Progress, log: Callable[[str], None],
+                    cfg: Config, sim: Executor, total: int, out: Path) -> None:
+    """Put why the run stopped into ``summary`` (diagnosed by the group: a lost rank, an interruption, ...)."""
+    try:
+        failure = group.diagnose(e)
+    except Terminated:  # torchrun stopping every rank after the same loss, while this rank asked who
+        failure = group.diagnose(e)  # was lost: the loss is the cause; ask again (SIGTERM comes once)
+    summary["error"], summary["status"] = failure.message, failure.status(e)
+    if summary["status"] == "interrupted":
+        shown.close()
+        saved = "checkpoint_at_interruption" in summary
+        log(f"cdsgd run: interrupted at step {sim.k} of {total}; {resume_hint(cfg, out, group.world, saved=saved)}")

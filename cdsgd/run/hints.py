@@ -23,7 +23,7 @@ EVAL_HINT_SECONDS = 1.0
 def eval_hint(cfg: Config, sim) -> str:
     """When evaluation took longer than training (and at least :data:`EVAL_HINT_SECONDS`): the keys
     that make it cheaper; else ``""``. ``sim``: the executor (its clocks, evaluated agents, test set)."""
-    train, evaluation = sim._wall, sim.eval_seconds
+    train, evaluation = sim.train_seconds, sim.eval_seconds
     if evaluation <= train or evaluation < EVAL_HINT_SECONDS:
         return ""
     return (f"evaluation took {format_seconds(evaluation)} against {format_seconds(train)} of training; "

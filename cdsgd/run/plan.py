@@ -41,18 +41,20 @@ import topologies
 
 from ..algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
 from ..algorithms.compression import COMPRESSORS
-from ..base.compat import item_as_attribute
 from ..base.seeding import generator
 from ..config import Config, check_ranges, key_info
-from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, sequence_lengths
+from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, random_crop_flip, sequence_lengths
 from ..network import NetworkSpec, network_spec
 from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
-from ..executor.asynchronous import check_asynchronous
+from ..executor import AgentStack, DataFeed, Evaluator, Executor
+from ..executor.asynchronous import check_asynchronous, executor_class
+from ..executor.evaluation import default_eval_agents
 from ..executor.timing import check_network
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
 from .logger import check_logger
 
-__all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "baseline_gap", "hyperparameters", "load_config_dataset",
+__all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "baseline_gap", "build_executor", "hyperparameters",
+           "load_config_dataset",
            "prepare", "uses_graph", "validate_config"]
 
 #: the registries that hold the allowed names of config keys declared with ``registry=``
@@ -126,8 +128,6 @@ class Parts:
     @property
     def spectral_gap(self) -> topologies.SpectralGap:
         return self.plan.spectral_gap
-
-    __getitem__ = item_as_attribute  # parts["shards"]: the dict-style access of earlier releases (cdsgd.base.compat)
 
 
 def hyperparameters(cfg: Config) -> dict:
@@ -372,6 +372,26 @@ def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
             plan.notes.append(note)
     return Parts(plan=plan, dataset=ds, shards=shards, test_set=(test_x, test_y), model_fn=model_fn,
                  **_bucketed_streams(cfg, ds, shards))
+
+
+def build_executor(cfg: Config, parts: Parts, group) -> Executor:
+    """The executor of this process, its parts built from the config: every agent (one process) or the
+    block of agents its rank holds (``group``: a :class:`cdsgd.runtime.Group`, which gives the held
+    agents, the mixer reaching the others and the reducer). This is the one place where config keys
+    become the executor's parts.
+    """
+    alg, n = parts.plan.algorithm, cfg.n_agents
+    stack = AgentStack(parts.model_fn, n, seed=cfg.seed, ids=group.agents, init=cfg.init, same_init=alg.same_init,
+                       strategy=cfg.strategy, exact=cfg.exact, device=cfg.device, grad_clip=cfg.grad_clip)
+    data = DataFeed(parts.shards, stack.ids, batch_size=cfg.batch_size, seed=cfg.seed, device=stack.device,
+                    augment=random_crop_flip if cfg.augment else None, batch_stream=parts.batch_stream,
+                    steps_per_epoch=parts.steps_per_epoch)
+    evaluator = Evaluator(parts.test_set, n, eval_agents=cfg.eval_agents or default_eval_agents(n),
+                          eval_samples=cfg.eval_samples or None, eval_batch_size=cfg.eval_batch_size, seed=cfg.seed,
+                          device=stack.device)
+    mixer = group.mixer(parts.W, exact=cfg.exact, n_agents=n)
+    return executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
+                               parts.plan.network, overlap=cfg.overlap)  # AsyncExecutor for adpsgd
 
 
 def _bucketed_streams(cfg: Config, ds, shards) -> dict:

@@ -17,7 +17,7 @@ evaluations still to come::
 The timed steps leave out the process's first step, whose compilation and
 first calls (about 0.9 s against 2 ms a step for the ``vmap`` MLP) would
 make the first ETA of a 5-second run read half an hour
-(:func:`cdsgd.executor.timing.charge_step`); until a timed step exists
+(:meth:`cdsgd.executor.meters.StepTimer.charge`); until a timed step exists
 the ETA is ``?``.
 
 :func:`safe_stream` wraps a stream so that a reader that went away (``cdsgd

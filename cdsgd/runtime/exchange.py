@@ -21,7 +21,7 @@ definitions require; evaluation gathers per-agent figures and the average
 model (:class:`cdsgd.runtime.reduce.DistReducer`), counted apart from training traffic.
 :class:`NeighbourMixer` is the one-agent form, for a user's own loop.
 
-The executor is the simulator's (``Executor(..., agents=block)``) with this
+The executor is the simulator's (``Executor.build(..., agents=block)``) with this
 mixer and reducer, so the ranks together reproduce the simulator's agents:
 the same update rule, the same (seed, j) streams for initialisation, data
 order and dropout. In exact mode each row is summed as the simulator's

@@ -1,0 +1,96 @@
+"""summary.json of a run: what it is (identity, versions), what it was built as, how it ended.
+
+The dict is assembled here and only here: :func:`summary_identity` (every summary, a failed run's too),
+:func:`summary_start` (before training), :func:`summary_end` (after it, however it stopped).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import topologies
+import torch
+
+from .. import __version__
+from ..config import Config
+from ..executor import Executor
+from .plan import Parts
+
+__all__ = ["json_number", "summary_end", "summary_identity", "summary_start", "to_target"]
+
+
+def json_number(v):
+    """``v`` as JSON has it: NaN becomes None."""
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def to_target(rows: list[dict], target: float) -> dict:
+    """The first evaluation whose ``test_accuracy`` reaches ``target``: its step, simulated and wall seconds.
+
+    ``{"target_accuracy": target, "steps_to_target": ..., "sim_seconds_to_target": ...,
+    "wall_seconds_to_target": ...}``, the last three None when no row reaches it (or, for the
+    simulated seconds, when the run has no network).
+
+    >>> to_target([{"step": 5, "test_accuracy": 0.7, "sim_seconds": 1.0, "wall_seconds": 0.1},
+    ...            {"step": 10, "test_accuracy": 0.85, "sim_seconds": 2.0, "wall_seconds": 0.2}], 0.8)["steps_to_target"]
+    10
+    """
+    hit = next((r for r in rows if r["test_accuracy"] >= target), None)
+    out = {"target_accuracy": target, "steps_to_target": None, "sim_seconds_to_target": None,
+           "wall_seconds_to_target": None}
+    if hit is not None:
+        out.update(steps_to_target=hit["step"], sim_seconds_to_target=json_number(hit.get("sim_seconds", float("nan"))),
+                   wall_seconds_to_target=hit["wall_seconds"])
+    return out
+
+
+def summary_identity(cfg: Config, out: Path) -> dict:
+    """What every summary.json says of its run, finished or not: folder, config identity, versions."""
+    return {"out": str(out), **cfg.identity(), "executor": cfg.executor, "torch_version": torch.__version__,
+            "cdsgd_version": __version__}
+
+
+def summary_start(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, writer: bool) -> dict:
+    """The summary of a run about to train: what it is and what it was built as (status ``running``)."""
+    gap, plan = parts.spectral_gap, parts.plan
+    summary = {
+        "status": "running",
+        **summary_identity(cfg, out),
+        "processes": world,
+        "topology_used": plan.uses_graph,  # false: sgd, msgd, fedavg, local (the gap is their averaging's)
+        "spectral_gap": gap.gap,
+        "lambda2": gap.lambda2,
+        "effective_neighbours": json_number(plan.effective_neighbours()) if writer else None,
+        "effective_neighbours_decay": topologies.EFFECTIVE_DECAY,
+        "topology_draw": parts.graph.graph.get("draw") if plan.uses_graph else None,  # random graphs'
+        "n_parameters": sim.layout.numel,
+        "steps_per_epoch": sim.steps_per_epoch,
+        "strategy": sim.strategy,
+        "evaluated_agents": sim.eval_agents,
+        "warnings": list(plan.notes),
+    }
+    for key in ("torch_version", "cdsgd_version"):  # at the end, where they always were
+        summary[key] = summary.pop(key)
+    return summary
+
+
+def summary_end(summary: dict, cfg: Config, sim: Executor, rows: list[dict], seconds: float) -> None:
+    """Fill ``summary`` with how the run ended: the last row, the best accuracy, time, bytes, the rule's choices."""
+    final = rows[-1] if rows else {}
+    accs = [r["test_accuracy"] for r in rows if not math.isnan(r["test_accuracy"])]
+    summary.update({k: json_number(v) for k, v in final.items()})
+    summary["best_test_accuracy"] = max(accs) if accs else None
+    summary["simulated_seconds"] = json_number(final.get("sim_seconds", float("nan")))
+    if sim.clock is not None:
+        summary["lost_messages"] = sim.clock.clock.lost_messages
+    if cfg.target_accuracy:
+        summary.update(to_target(rows, cfg.target_accuracy))
+    summary["evaluations"] = len(rows)
+    summary["train_seconds"] = sim.train_seconds
+    summary["warmup_seconds"] = sim.warmup_seconds  # the first step of each process, not in train_seconds
+    summary["eval_seconds"] = sim.eval_seconds
+    summary["total_seconds"] = seconds
+    summary["eval_bytes_per_agent"] = int(round(sim.reducer.bytes))
+    summary["bytes_across_processes"] = sim.bytes_across_processes
+    summary.update(sim.algorithm.summary())
