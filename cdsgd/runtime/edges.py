@@ -31,7 +31,7 @@ class _EdgeHandle(Handle):
             for q, rbuf in self.recvs:
                 self.out2.index_copy_(0, m._index(("recv", q), m._edge_peers[q][1], rbuf.device), rbuf)
             self._done = True
-            m._give_back(self.lent)
+            m.give_back(self.lent)
             self.lent = []
         return self.out
 
@@ -40,7 +40,7 @@ class EdgeMessages:
     """Mixin of :class:`~cdsgd.runtime.BlockMixer`: ``edges`` and ``exchange`` over its block and process group.
 
     Uses the mixer's ``matrix``, ``agents``, ``rank``, ``group``, ``timeout``,
-    ``bytes_sent``, ``bytes_across`` and its buffer pool (``_lend``, ``_give_back``).
+    ``bytes_sent``, ``bytes_across`` and its buffer pool (``_lend``, ``give_back``).
     """
 
     @property

@@ -126,7 +126,7 @@ class _BlockHandle(Handle):
             elif m.halo_agents:
                 torch.addmm(self.out, m._remote(self.X2), self.halo, out=self.out)
             self._done = True
-            m._give_back(self.lent)
+            m.give_back(self.lent)
             self.lent = []
         return self.out.view(self.shape)
 
@@ -272,7 +272,8 @@ class BlockMixer(EdgeMessages, Mixer):
         lent.append((key, buf))
         return buf
 
-    def _give_back(self, lent: list) -> None:
+    def give_back(self, lent: list) -> None:
+        """Return the pool buffers an exchange held (its handle's ``lent``) once it has completed."""
         for key, buf in lent:
             self._pool[key].append(buf)
 
