@@ -33,9 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch.nn.functional as F
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..base.checks import check_int

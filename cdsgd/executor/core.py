@@ -79,10 +79,23 @@ from .reducer import Reducer
 from .streams import DataFeed, check_shards
 from .timing import ClockFeed
 
-__all__ = ["Diverged", "Executor", "STATE_FORMAT", "Simulator"]
+__all__ = ["Diverged", "Executor", "STATE_FORMAT", "Simulator", "state_format_problem"]
 
 #: the version of :meth:`Executor.state_dict`'s layout (a checkpoint of another is refused in one line)
 STATE_FORMAT = 2
+
+
+def state_format_problem(saved: dict) -> str:
+    """Why ``saved`` (an :meth:`Executor.state_dict`) cannot be loaded by this version, or ``""``.
+
+    >>> state_format_problem({"format": STATE_FORMAT}), state_format_problem({})[:11]
+    ('', 'of format 1')
+    """
+    found = saved.get("format", 1)  # cdsgd 0.1.0 wrote no "format": its layout is format 1
+    if found == STATE_FORMAT:
+        return ""
+    return (f"of format {found}, written by an earlier cdsgd; this version reads format {STATE_FORMAT}: "
+            "start the run afresh (resume=false)")
 
 
 class Diverged(ArithmeticError):
@@ -348,9 +361,9 @@ class Executor:
 
     def load_state_dict(self, saved: dict) -> None:
         """Continue from :meth:`state_dict` of an executor built the same way; mismatches are ValueErrors."""
-        if saved.get("format") != STATE_FORMAT:
-            raise ValueError(f"checkpoint state is of format {saved.get('format', 1)}, written by an earlier cdsgd; "
-                             f"this version reads format {STATE_FORMAT}: start the run afresh (resume=false)")
+        problem = state_format_problem(saved)
+        if problem:
+            raise ValueError(f"checkpoint state is {problem}")
         expect = {"agents": list(self.agents), "n_agents": self.n_agents, "numel": self.layout.numel,
                   "algorithm": self.algorithm.name}
         for key, want in expect.items():

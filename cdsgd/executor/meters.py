@@ -56,12 +56,12 @@ class StepTimer:
             self.warm = True
 
     def state_dict(self) -> dict:
-        return {"wall": self.train_seconds, "warmup_seconds": self.warmup_seconds, "timed_steps": self.timed_steps,
+        return {"train_seconds": self.train_seconds, "warmup_seconds": self.warmup_seconds, "timed_steps": self.timed_steps,
                 "eval_seconds": self.eval_seconds}
 
     def load_state_dict(self, state: dict) -> None:
         """A resumed process warms up again: its first step is warm-up (``warm`` stays false)."""
-        self.train_seconds = float(state["wall"])
+        self.train_seconds = float(state["train_seconds"])
         self.warmup_seconds = float(state["warmup_seconds"])
         self.timed_steps = int(state["timed_steps"])
         self.eval_seconds = float(state["eval_seconds"])

@@ -37,7 +37,7 @@ import torch
 
 from ..base.files import atomic_write
 from ..config import VOLATILE_KEYS
-from ..executor.core import STATE_FORMAT
+from ..executor.core import state_format_problem
 
 __all__ = ["EXTENDABLE_KEYS", "FORMAT", "VOLATILE_KEYS", "checkpoint_path", "save", "steps_on_disk", "load", "prune",
            "config_for_checkpoint", "config_mismatch", "remove_all"]
@@ -137,8 +137,7 @@ def load(path, *, config: dict, world: int, rank: int = 0) -> dict:
     diff = config_mismatch(payload.get("config", {}), config)
     if diff:
         raise ValueError(f"checkpoint {str(path)!r} belongs to another config: {diff}")
-    found = payload["simulator"].get("format", 1) if isinstance(payload.get("simulator"), dict) else STATE_FORMAT
-    if found != STATE_FORMAT:  # the executor's state layout (cdsgd 0.1.0 wrote format 1)
-        raise ValueError(f"checkpoint {str(path)!r} holds executor state of format {found}, written by an earlier "
-                         f"cdsgd; this version reads format {STATE_FORMAT}: start the run afresh (resume=false)")
+    problem = state_format_problem(payload["simulator"]) if isinstance(payload.get("simulator"), dict) else ""
+    if problem:  # refused here, before the run says it continues from this checkpoint
+        raise ValueError(f"checkpoint {str(path)!r} holds executor state {problem}")
     return payload

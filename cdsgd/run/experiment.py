@@ -54,7 +54,7 @@ from .interrupt import StopBetweenSteps
 from .logger import make_logger
 from .plan import Parts, Plan, build_executor, hyperparameters, prepare, validate_config
 from .progress import Progress, pick_mode, safe_stream
-from .summary import summary_end, summary_identity, summary_start
+from .summary import summary_end, summary_identity, summary_start, versions
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
@@ -145,7 +145,8 @@ def _write_failure(out: Path, cfg: Config, e: BaseException, started: float, sta
     if had.get("status", "running") != "running":
         return
     summary = {**had, "status": status, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__,
-               **summary_identity(cfg, out), "total_seconds": had.get("total_seconds", time.perf_counter() - started)}
+               **summary_identity(cfg, out), "total_seconds": had.get("total_seconds", time.perf_counter() - started),
+               **versions()}
     if not (out / "config.toml").exists():
         atomic_write(out / "config.toml", dump_config(cfg))
     atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")

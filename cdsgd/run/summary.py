@@ -17,7 +17,7 @@ from ..config import Config
 from ..executor import Executor
 from .plan import Parts
 
-__all__ = ["json_number", "summary_end", "summary_identity", "summary_start", "to_target"]
+__all__ = ["json_number", "summary_end", "summary_identity", "summary_start", "to_target", "versions"]
 
 
 def json_number(v):
@@ -46,9 +46,13 @@ def to_target(rows: list[dict], target: float) -> dict:
 
 
 def summary_identity(cfg: Config, out: Path) -> dict:
-    """What every summary.json says of its run, finished or not: folder, config identity, versions."""
-    return {"out": str(out), **cfg.identity(), "executor": cfg.executor, "torch_version": torch.__version__,
-            "cdsgd_version": __version__}
+    """What every summary.json says of its run, finished or not: folder, config identity, executor."""
+    return {"out": str(out), **cfg.identity(), "executor": cfg.executor}
+
+
+def versions() -> dict:
+    """The versions of torch and cdsgd, the last keys of every summary.json."""
+    return {"torch_version": torch.__version__, "cdsgd_version": __version__}
 
 
 def summary_start(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, writer: bool) -> dict:
@@ -69,9 +73,8 @@ def summary_start(cfg: Config, sim: Executor, parts: Parts, out: Path, world: in
         "strategy": sim.strategy,
         "evaluated_agents": sim.eval_agents,
         "warnings": list(plan.notes),
+        **versions(),
     }
-    for key in ("torch_version", "cdsgd_version"):  # at the end, where they always were
-        summary[key] = summary.pop(key)
     return summary
 
 
