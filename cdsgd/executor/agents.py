@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..base.checks import check_int
 from ..base.flat import ParamLayout
 from ..base.seeding import derive_seed
 from ..mixers import Mixer, make_mixer
-from .gradients import STRATEGIES, choose_strategy, make_strategy
+from .gradients import STRATEGIES, choose_strategy, cross_entropy, make_strategy
 from .streams import AgentRNG
 
 __all__ = ["AgentStack", "Agents", "INITS", "build_agents", "held_mixer", "seeded_model"]
@@ -150,7 +149,7 @@ class AgentStack:
     def __init__(self, model_fn: Callable[[], nn.Module], n_agents: int, *, seed: int = 0,
                  ids: Sequence[int] | None = None, init: str = "same", same_init: bool = False,
                  strategy: str = "auto", exact: bool = False, device: str | torch.device | None = None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
                  grad_clip: float = 0.0) -> None:
         n = self.n_agents = int(n_agents)
         self.seed = check_int("seed", seed, 0)

@@ -65,7 +65,6 @@ import time
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..algorithms import Algorithm, make_algorithm
@@ -74,6 +73,7 @@ from ..base.checks import check_int
 from . import evaluation
 from .agents import AgentStack, held_mixer
 from .evaluation import Evaluator
+from .gradients import cross_entropy
 from .meters import Meters
 from .reducer import Reducer
 from .streams import DataFeed, check_shards
@@ -161,7 +161,7 @@ class Executor:
     def build(cls, model_fn: Callable[[], nn.Module], shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
               W=None, algorithm: str | Algorithm = "cdmsgd", *, batch_size: int = 32, seed: int = 0,
               init: str = "same", strategy: str = "auto",
-              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
               test_set: tuple[torch.Tensor, torch.Tensor] | None = None, eval_batch_size: int = 1024,
               eval_agents: int | None = None, eval_samples: int | None = None, exact: bool = False,
               augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,

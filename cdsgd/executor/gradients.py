@@ -40,7 +40,20 @@ from ..models import has_convolutions, vmap_blockers
 from .streams import AgentRNG
 
 __all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "choose_strategy", "clip_rows_",
-           "make_strategy", "nonfinite_rows"]
+           "cross_entropy", "make_strategy", "nonfinite_rows"]
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy −ln softmax(o)_y over every prediction: one per sample for logits (B, C) and
+    labels (B,); one per position for a sequence model's logits (B, T, V) and next tokens (B, T), so a
+    language model's loss is in nats per token.
+
+        >>> o = torch.zeros(2, 3, 4); float(cross_entropy(o, torch.zeros(2, 3, dtype=torch.long)))  # ln 4
+        1.3862943649291992
+    """
+    if logits.dim() == target.dim() + 1 and logits.dim() > 2:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return torch.nn.functional.cross_entropy(logits, target)
+
 
 #: the names ``strategy=`` takes
 STRATEGIES = ("auto", "loop", "vmap")
