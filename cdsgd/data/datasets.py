@@ -20,7 +20,17 @@ name              input shape  classes  source
 ``cifar10``       (3, 32, 32)  10       ``cifar-10-batches-py/`` python pickles
 ``cifar100``      (3, 32, 32)  100      ``cifar-100-python/`` python pickles (fine labels)
 ``synthetic``     (1, 8, 8)    4        generated: class means + Gaussian noise
+``fortunes``      (T,)         256      byte-level text, T = ``context`` (128): Debian's
+                                        ``fortunes`` package, 15,217 fortunes in 43
+                                        categories, 2.5 MB (:mod:`.text`)
+``python_code``   (T,)         256      byte-level text: the standard library's own
+                                        ``.py`` files, 4 MB of them by default
 ================  ===========  =======  ==============================================
+
+The two text sets are token data sets: inputs int64 byte values (n, T),
+labels the next byte at each position, split into training and validation
+by document (see :mod:`.corpora` and :mod:`.text`); the sequence sets are in
+:mod:`.sequences`.
 
 Nothing is downloaded unless asked: ``download=True`` fetches the MNIST-like
 and CIFAR files from their public mirrors (:data:`MIRRORS`), verifies each

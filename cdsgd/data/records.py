@@ -1,10 +1,11 @@
 """The data set record, its registry and the entry point ``load_dataset``.
 
 A :class:`Dataset` holds train and test tensors; :data:`DATASETS` maps each
-name to its builder (the builders live in :mod:`cdsgd.data.datasets` and
-:mod:`cdsgd.data.sequences`); :func:`load_dataset` looks a name up and calls
-its builder. :data:`NORMALIZATION` holds the per-channel constants with which
-the image builders normalise their inputs (:func:`_normalize`).
+name to its builder (the builders live in :mod:`cdsgd.data.datasets`,
+:mod:`cdsgd.data.sequences` and :mod:`cdsgd.data.text`); :func:`load_dataset`
+looks a name up and calls its builder. :data:`NORMALIZATION` holds the
+per-channel constants with which the image builders normalise their inputs
+(:func:`_normalize`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,31 @@ __all__ = ["DATASETS", "Dataset", "NORMALIZATION", "load_dataset"]
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tuples of tensors with == is ambiguous
 class Dataset:
-    """A classification data set held in memory as tensors.
+    """A data set held in memory as tensors: a classifier's, or a token sequence model's.
 
-    ``train`` and ``test`` are ``(inputs, labels)``: inputs float32 of shape
-    (n, *input_shape), already normalised; labels int64 of shape (n,) with
-    values in 0..n_classes-1. Checked on construction.
+    ``train`` and ``test`` are ``(inputs, labels)``, checked on construction,
+    of one of two kinds:
+
+    - **classification**: inputs float32 of shape (n, *input_shape), already
+      normalised; labels int64 of shape (n,) with values in 0..n_classes-1;
+    - **tokens** (text): inputs int64 token ids of shape (n, T), with
+      ``input_shape = (T,)``, and labels int64 of the same shape (the next
+      token at each position); ids and labels lie in 0..n_classes-1, so
+      n_classes is the vocabulary.
+
+    Optional fields (their defaults leave a classification set as it was):
+    ``groups``, int64 of shape (n_train,), the source (0..len(group_names)-1)
+    of each training sample, named by ``group_names``; ``bytes_per_token``,
+    how many bytes of text one token stands for (1.0 for byte-level text,
+    None when the inputs are not text), with which the metrics turn nats per
+    token into bits per byte. :attr:`partition_labels` is what partitions
+    split by.
+
+    >>> x = torch.tensor([[1, 2], [2, 3]])
+    >>> ds = Dataset("toy", (x, x + 1), (x, x + 1), 5, (2,), groups=torch.tensor([0, 1]),
+    ...              group_names=("a", "b"), bytes_per_token=1.0)
+    >>> ds.partition_labels.tolist()
+    [0, 1]
     """
 
     name: str
@@ -39,24 +60,58 @@ class Dataset:
     test: tuple[Tensor, Tensor]
     n_classes: int
     input_shape: tuple[int, ...]
+    groups: Tensor | None = None
+    group_names: tuple[str, ...] = ()
+    bytes_per_token: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+        object.__setattr__(self, "group_names", tuple(self.group_names))
         for split, (x, y) in (("train", self.train), ("test", self.test)):
-            where = f"data set {self.name!r}, {split} split"
-            if x.dtype != torch.float32 or tuple(x.shape[1:]) != self.input_shape:
-                raise ValueError(f"{where}: inputs must be float32 of shape (n, *{self.input_shape}), "
-                                 f"got {x.dtype} {tuple(x.shape)}")
-            if y.dtype != torch.int64 or y.shape != (x.shape[0],):
-                raise ValueError(f"{where}: labels must be int64 of shape ({x.shape[0]},), "
-                                 f"got {y.dtype} {tuple(y.shape)}")
-            if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.n_classes):
-                raise ValueError(f"{where}: labels span {int(y.min())}..{int(y.max())}; "
-                                 f"allowed 0..{self.n_classes - 1}")
+            _check_split(f"data set {self.name!r}, {split} split", x, y, self.input_shape, self.n_classes)
+        self._check_groups()
+        b = self.bytes_per_token
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0):
+            raise ValueError(f"data set {self.name!r}: bytes_per_token must be a number > 0 or None, "
+                             f"got {self.bytes_per_token!r}")
+
+    def _check_groups(self) -> None:
+        where, g, names = f"data set {self.name!r}", self.groups, self.group_names
+        if g is None:
+            if names:
+                raise ValueError(f"{where}: group_names {names} given without groups")
+            return
+        n = len(self.train[1])
+        if not isinstance(g, Tensor) or g.dtype != torch.int64 or tuple(g.shape) != (n,):
+            desc = f"{g.dtype} {tuple(g.shape)}" if isinstance(g, Tensor) else type(g).__name__
+            raise ValueError(f"{where}: groups must be int64 of shape ({n},) (one per training sample), got {desc}")
+        if g.numel() and (int(g.min()) < 0 or int(g.max()) >= len(names)):
+            raise ValueError(f"{where}: groups span {int(g.min())}..{int(g.max())}; allowed 0..{len(names) - 1} "
+                             f"(one per name in group_names, {len(names)} given)")
+
+    @property
+    def partition_labels(self) -> Tensor:
+        """What partitions split the training set by: ``groups`` when given, else the training labels."""
+        return self.groups if self.groups is not None else self.train[1]
 
     def __repr__(self) -> str:
         return (f"Dataset(name={self.name!r}, train={len(self.train[1])}, test={len(self.test[1])}, "
                 f"n_classes={self.n_classes}, input_shape={self.input_shape})")
+
+
+def _check_split(where: str, x: Tensor, y: Tensor, input_shape: tuple[int, ...], n_classes: int) -> None:
+    """One split's inputs and labels, of either kind (see :class:`Dataset`)."""
+    tokens = x.dtype == torch.int64
+    if not (tokens or x.dtype == torch.float32) or tuple(x.shape[1:]) != input_shape:
+        raise ValueError(f"{where}: inputs must be float32 (or int64 token ids) of shape (n, *{input_shape}), "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    shape = tuple(x.shape) if tokens else (x.shape[0],)
+    if y.dtype != torch.int64 or tuple(y.shape) != shape:
+        raise ValueError(f"{where}: labels must be int64 of shape {shape}{' (as the token ids)' if tokens else ''}, "
+                         f"got {y.dtype} {tuple(y.shape)}")
+    for what, t in (("token ids", x), ("labels", y)) if tokens else (("labels", y),):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n_classes):
+            raise ValueError(f"{where}: {what} span {int(t.min())}..{int(t.max())}; allowed 0..{n_classes - 1}")
 
 
 #: ``name -> (mean per channel, std per channel)``, in units of the [0, 1]-scaled
@@ -94,8 +149,9 @@ def load_dataset(name: str, data_dir: str | os.PathLike = "data", *, download: b
     Files are looked for under ``data_dir``; with ``download=True`` missing
     files of mnist, fashion-mnist, cifar10 and cifar100 are fetched and
     verified first (digits and synthetic need no files and ignore it).
-    ``options`` go to the loader; only ``synthetic`` takes any
-    (``n_train, n_test, n_classes, seed``). An unknown name or option is a
+    ``options`` go to the loader, as keyword arguments (``synthetic``:
+    ``n_train, n_test, n_classes, seed``; the text corpora: ``context,
+    val_fraction, seed, max_bytes``; ...). An unknown name or option is a
     ValueError naming the allowed ones.
     """
     loader = DATASETS.get(name)
