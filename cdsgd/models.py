@@ -2,10 +2,10 @@
 
 ``build_model(name, input_shape, n_classes, **options)`` returns an
 ``nn.Module`` mapping a batch of shape (B, *input_shape) to (B, n_classes)
-logits. Input shape and class count come from the data set, so every model
-runs on every image data set (8×8 digits, 28×28 MNIST, 32×32 CIFAR):
-convolutions are 3×3 (5×5 for LeNet) with "same" padding and the width of
-the first dense layer is found by a dry run.
+logits ((B, T, n_classes) for ``gpt``). Input shape and class count come from
+the data set, so every image model runs on every image data set (8×8 digits,
+28×28 MNIST, 32×32 CIFAR): convolutions are 3×3 (5×5 for LeNet) with "same"
+padding and the width of the first dense layer is found by a dry run.
 
 =============  =============================================================
 ``logreg``     multinomial logistic regression (one dense layer)
@@ -26,6 +26,7 @@ the first dense layer is found by a dry run.
                serial or solved by MGRIT over time (``mode``, ``cf`` 8,
                ``levels``, ``iters`` 4 at most, ``rtol`` 1e-3,
                ``fallback``, ``coarse``; :mod:`cdsgd.mgrit`)
+``gpt``        token windows (T,) → next-token logits (B, T, V): a decoder-only transformer (:mod:`cdsgd.transformer`)
 =============  =============================================================
 
 Options (``model_params``) are checked by name against the factory's
@@ -59,6 +60,7 @@ from .base.checks import check_int
 from .config import toml_value
 from .data.sequences import sequence_lengths
 from .mgrit import ParallelGRU
+from .transformer import gpt
 
 __all__ = ["MODELS", "STAT_PROVIDERS", "SequenceClassifier", "build_model", "check_model_options", "has_convolutions",
            "import_callable", "is_import_path", "model_options", "n_parameters", "vmap_blockers"]
@@ -279,7 +281,7 @@ def build_model(name: str, input_shape: Sequence[int], n_classes: int, **options
 
 
 #: a valid input shape for each model family, to check options before any data is loaded
-_PROBE_SHAPES = {"lstm": (16, 2), "gru": (16, 2), "pgru": (16, 2)}
+_PROBE_SHAPES = {"lstm": (16, 2), "gru": (16, 2), "pgru": (16, 2), "gpt": (16,)}
 _IMAGE_PROBE = (1, 28, 28)
 
 
@@ -290,8 +292,8 @@ def check_model_options(name: str, options: dict, *, input_shape: Sequence[int] 
     Unknown option names are refused naming the allowed ones with their
     defaults (and the closest name); values are checked by building the
     model once, for ``input_shape`` and ``n_classes`` when given, else for a
-    small input of its family (sequences for lstm/gru/pgru, 1×28×28 images
-    otherwise) and 2 classes. A model given as ``"package.module:factory"``
+    small input of its family (sequences for lstm/gru/pgru, 16 tokens for
+    gpt, 1×28×28 images otherwise) and 2 classes. A model given as ``"package.module:factory"``
     is only built when ``input_shape`` is given (its inputs are its own),
     and then must map ``sample`` (or two zero inputs) to (B, n_classes)
     floating-point logits.
@@ -385,14 +387,12 @@ class SequenceClassifier(nn.Module):
             raise ValueError(f"recurrent models need sequences of shape (T, 1 + C): a mask channel and C >= 1 "
                              f"features (plaid, japanese_vowels, synthetic_seq), got input_shape {tuple(input_shape)}")
         for key, value in (("hidden", hidden), ("layers", layers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model option {key} must be an integer >= 1, got {value!r}")
+            check_int(key, value, 1, what="model option ")
         for key, value in (("packed", packed), ("trim", trim)):
             if not isinstance(value, bool):
                 raise ValueError(f"model option {key} must be true or false, got {value!r}")
         self.cell, self.packed, self.trim = cell, packed, trim
         if cell == "pgru":  # the implicit GRU of cdsgd.mgrit, serial or solved by MGRIT over time
-
             if layers != 1 or packed:
                 raise ValueError(f"model 'pgru' is one layer and not packed, got layers={layers}, packed={packed}")
             self.rnn = ParallelGRU(input_shape[1] - 1, hidden, **(mgrit or {}))
@@ -426,8 +426,7 @@ class SequenceClassifier(nn.Module):
 
 @MODELS.register("lstm")
 def lstm(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False, trim: bool = True):
-    return SequenceClassifier("lstm", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed,
-                              trim=trim)
+    return SequenceClassifier("lstm", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed, trim=trim)
 
 
 @MODELS.register("pgru")
@@ -445,5 +444,7 @@ def pgru(input_shape, n_classes, hidden: int = 64, mode: str = "mgrit", cf: int 
 
 @MODELS.register("gru")
 def gru(input_shape, n_classes, hidden: int = 64, layers: int = 1, packed: bool = False, trim: bool = True):
-    return SequenceClassifier("gru", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed,
-                              trim=trim)
+    return SequenceClassifier("gru", input_shape, n_classes, hidden=hidden, layers=layers, packed=packed, trim=trim)
+
+
+MODELS.register("gpt")(gpt)

@@ -22,7 +22,7 @@ LAYERS = [
     ["cdsgd.algorithms"],
     ["cdsgd.network"],
     ["cdsgd.mgrit", "cdsgd.data"],
-    ["cdsgd.models"],
+    ["cdsgd.models", "cdsgd.transformer"],
     ["cdsgd.executor"],
     ["cdsgd.runtime"],
     ["cdsgd.run"],

@@ -1,4 +1,4 @@
-"""Every model runs forward and backward on every shape of its kind (images, or padded sequences)."""
+"""Every model runs forward and backward on every shape of its kind (images, padded sequences, or token windows)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from cdsgd.models import MODELS, build_model, n_parameters, vmap_blockers
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 SEQUENCE_SHAPES = [(29, 13), (200, 2)]  # (T, mask + channels): japanese_vowels, a univariate set
 RECURRENT = ("lstm", "gru", "pgru")
-CASES = [(n, s) for n in MODELS.names() for s in (SEQUENCE_SHAPES if n in RECURRENT else SHAPES)]
+TOKEN_SHAPES = [(16,), (64,)]  # (T,): windows of token ids, for the language models (tests/test_gpt.py for more)
+LANGUAGE = ("gpt",)
+CASES = [(n, s) for n in MODELS.names()
+         for s in (SEQUENCE_SHAPES if n in RECURRENT else TOKEN_SHAPES if n in LANGUAGE else SHAPES)]
 
 
 @pytest.mark.parametrize("name,shape", CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in CASES])
@@ -22,9 +25,15 @@ def test_forward_backward(name, shape):
     x = torch.randn(3, *shape)
     if name in RECURRENT:
         x[:, :, 0] = (torch.arange(shape[0]) < torch.tensor([[shape[0]], [1], [shape[0] // 2]])).float()
-    out = model(x)
-    assert out.shape == (3, n_classes)
-    F.cross_entropy(out, torch.tensor([0, 1, 2])).backward()
+    if name in LANGUAGE:  # token ids in, one next-token prediction per position out
+        x = torch.randint(0, n_classes, (3, *shape))
+        out = model(x)
+        assert out.shape == (3, shape[0], n_classes)
+        F.cross_entropy(out.reshape(-1, n_classes), x.roll(-1, dims=1).reshape(-1)).backward()
+    else:
+        out = model(x)
+        assert out.shape == (3, n_classes)
+        F.cross_entropy(out, torch.tensor([0, 1, 2])).backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)

@@ -19,12 +19,16 @@ Either strategy can clip each agent's gradient to a global norm c
 (``grad_clip``, 0: off) after computing it: row j of G becomes
 g_j · min(1, c/‖g_j‖₂) (:func:`clip_rows_`), before the update rule sees G.
 
-``auto`` picks ``vmap`` for models without convolutions, dropout or buffers
-(dense networks) and ``loop`` otherwise: dropout and buffers need per-agent
-state that vmap cannot keep exactly, and for convolutions the loop is
-faster on CPU (the figures are in docs/benchmarks.md, from
-``benchmarks/simulator.py``). Forcing ``vmap`` on a model with dropout or
-buffers is refused. The exact mode uses the loop.
+``auto`` picks ``vmap`` for models without convolutions, attention, dropout
+or buffers (dense networks) and ``loop`` otherwise: dropout and buffers need
+per-agent state that vmap cannot keep exactly, and for convolutions and
+attention the loop is faster on CPU (the figures are in docs/benchmarks.md,
+from ``benchmarks/simulator.py`` and ``benchmarks/transformer.py``; torch has
+no vmap batching rule for its CPU attention kernel, so under vmap attention
+runs agent by agent anyway). Inputs may be of any dtype (token ids are
+int64) and targets of any shape (a language model's (B, T) next tokens).
+Forcing ``vmap`` on a model with dropout or buffers is refused. The exact
+mode uses the loop.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from ..base.flat import ParamLayout
 from ..models import has_convolutions, vmap_blockers
+from ..transformer import has_attention
 from .streams import AgentRNG
 
 __all__ = ["STRATEGIES", "GradientStrategy", "LoopGradients", "VmapGradients", "choose_strategy", "clip_rows_",
@@ -110,7 +115,7 @@ def choose_strategy(strategy: str, template: nn.Module, *, exact: bool = False) 
         raise ValueError(f"strategy {strategy!r} is unknown; allowed: {', '.join(STRATEGIES)}")
     blockers = vmap_blockers(template)
     if strategy == "auto":
-        return "loop" if blockers or exact or has_convolutions(template) else "vmap"
+        return "loop" if blockers or exact or has_convolutions(template) or has_attention(template) else "vmap"
     if strategy == "vmap" and blockers:
         raise ValueError(f"strategy 'vmap' cannot simulate this model exactly: {'; '.join(blockers)}; use 'loop'")
     return strategy
