@@ -10,7 +10,8 @@ config's), the final parameters of
 4. where a ``torch.optim`` class of :mod:`cdsgd.algorithms.optim` stands for the rule, one optimizer per
    agent in a plain loop,
 
-are equal (``torch.equal``). The doors see the same data, model and W (built
+are equal (``torch.equal``). The same holds with AdamW agents (``optimizer="adamw"``) and the newer
+step-size schedules, for the rules that take them (:data:`VARIANTS`). The doors see the same data, model and W (built
 by the CLI's own :func:`cdsgd.run.plan.prepare`): what could differ is the
 defaults. Bit for bit needs the same arithmetic everywhere: one thread, the
 exact mixing mode, the loop gradient strategy, and batches that do not depend
@@ -45,13 +46,26 @@ SPECIAL = {
     "adpsgd": {"network_params": {"compute_ms": 1.0}},  # the asynchronous time model needs compute times
 }
 
-#: the torch.optim classes that stand for a rule (docs/algorithms.md): door 4
+#: the torch.optim classes that stand for a rule (docs/algorithms.md): door 4, each as (takes the rule's step-size
+#: schedule, make(params, mixer, hyper)); CDSGD/CDMSGD leave schedules to torch.optim.lr_scheduler
 OPTIMIZERS = {
-    "cdsgd": [lambda p, m: CDSGD(p, m, lr=LR), lambda p, m: DecentralizedOptimizer(p, m, "cdsgd", lr=LR)],
-    "cdmsgd": [lambda p, m: CDMSGD(p, m, lr=LR), lambda p, m: DecentralizedOptimizer(p, m, "cdmsgd", lr=LR)],
-    **{name: [lambda p, m, name=name: DecentralizedOptimizer(p, m, name, lr=LR)]
+    "cdsgd": [(False, lambda p, m, h: CDSGD(p, m, lr=LR, **h)),
+              (True, lambda p, m, h: DecentralizedOptimizer(p, m, "cdsgd", lr=LR, **h))],
+    "cdmsgd": [(False, lambda p, m, h: CDMSGD(p, m, lr=LR, **h)),
+               (True, lambda p, m, h: DecentralizedOptimizer(p, m, "cdmsgd", lr=LR, **h))],
+    **{name: [(True, lambda p, m, h, name=name: DecentralizedOptimizer(p, m, name, lr=LR, **h))]
        for name in ("dsgt", "d2", "qg_dsgdm", "sgp")},
 }
+
+ADAMW = {"optimizer": "adamw", "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01}
+#: (algorithm, hyperparameters given alike to every door) beyond the defaults: AdamW agents under the rules that
+#: take them, and the schedules (a cosine's horizon given: door 3 steps by hand, with no run's total steps)
+VARIANTS = [
+    *[(name, ADAMW) for name in ("cdsgd", "cdmsgd", "dsgt", "sgd", "msgd", "fedavg", "local")],
+    ("dsgt", {**ADAMW, "lr_schedule": "cosine", "lr_decay_steps": STEPS_PER_EPOCH, "lr_min": 0.01, "lr_warmup": 2}),
+    ("cdmsgd", {"lr_schedule": "step", "lr_step_size": 2, "lr_gamma": 0.5, "lr_warmup": 1}),
+]
+SCHEDULE_KEYS = {"lr_schedule", "lr_decay_steps", "lr_min", "lr_warmup", "lr_step_size", "lr_gamma"}
 
 
 def tiny(data_dir):
@@ -73,11 +87,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def config(name: str, out) -> Config:
-    """The data, model and steps of the problem; every hyperparameter at its default."""
+def config(name: str, out, hyper: dict | None = None) -> Config:
+    """The data, model and steps of the problem; every hyperparameter at its default but those of ``hyper``."""
     return Config(algorithm=name, dataset="test_algorithm_doors:tiny", partition="classes", n_agents=N,
                   model="mlp", model_params={"hidden": 8}, batch_size=B, epochs=1.0, strategy="loop", exact=True,
-                  save_params=True, out=str(out), **SPECIAL.get(name, {}))
+                  save_params=True, out=str(out), **SPECIAL.get(name, {}), **(hyper or {}))
 
 
 def options(parts) -> dict:
@@ -178,28 +192,34 @@ def _record(errors: list, fn, *args) -> None:
 # ------------------------------------------------------------------ the test
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_every_door_trains_the_same_algorithm_with_the_same_defaults(name, tmp_path):
-    cfg = config(name, tmp_path / "run")
+@pytest.mark.parametrize("name,hyper", [(name, {}) for name in ALGORITHMS] + VARIANTS,
+                         ids=list(ALGORITHMS) + ["-".join([n, *(h[k] for k in ("optimizer", "lr_schedule") if k in h)])
+                                                 for n, h in VARIANTS])
+def test_every_door_trains_the_same_algorithm_with_the_same_defaults(name, hyper, tmp_path):
+    cfg = config(name, tmp_path / "run", hyper)
     steps = STEPS_PER_EPOCH
     # 1. cdsgd run
     summary = run_experiment(cfg, progress=False, log=lambda msg: None)
     assert summary["step"] == steps
     cli = torch.load(tmp_path / "run" / "params.pt", weights_only=True)
     # the other doors get the CLI's data, model and W, and only what a user must give (lr)
-    parts = prepare(config(name, tmp_path / "unused"), validate_config(config(name, tmp_path / "unused")))
+    unused = config(name, tmp_path / "unused", hyper)
+    parts = prepare(unused, validate_config(unused))
     # 3. an executor with make_algorithm's rule
-    ex = build(parts, make_algorithm(name, lr=LR))
+    ex = build(parts, make_algorithm(name, lr=LR, **hyper))
     X0 = ex.X.clone()
     for _ in range(steps):
         ex.step()
     assert torch.equal(ex.X, cli), f"{name}: make_algorithm's defaults differ from cdsgd run's"
     # 4. the optimizer classes that stand for the rule
-    for make_opt in OPTIMIZERS.get(name, []):
+    for schedules, make in OPTIMIZERS.get(name, []):
+        if SCHEDULE_KEYS & set(hyper) and not schedules:
+            continue
+        make_opt = lambda p, m, make=make: make(p, m, hyper)  # noqa: E731
         got = optimizer_door(parts, make_opt, X0, steps)
         assert torch.equal(got, cli), f"{name}: {make_opt(*_probe(parts))!r} trains with other defaults"
     # 2. simulate
-    api = simulate(parts.model_fn, parts.shards, parts.W, name, steps=steps, lr=LR, **options(parts)).params
+    api = simulate(parts.model_fn, parts.shards, parts.W, name, steps=steps, lr=LR, **options(parts), **hyper).params
     assert torch.equal(api, cli), f"{name}: simulate's defaults differ from cdsgd run's"
 
 
@@ -216,6 +236,7 @@ def test_the_defaults_are_declared_once():
         info = key_info(k)
         if info["source"].startswith(ALGORITHMS_DEFAULT):
             declared = HYPER_DEFAULTS[k]
+            declared = list(declared) if isinstance(declared, tuple) else declared  # betas: TOML's array
             assert info["default"] == (info["unset"] if declared is None else declared), k
     for klass in [*(ALGORITHMS.get(name) for name in ALGORITHMS), CDSGD, CDMSGD]:
         for cls in klass.__mro__:

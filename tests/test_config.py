@@ -204,3 +204,28 @@ def test_run_help_gives_the_family_defaults(capsys):
     assert "  momentum = 0.95 [every algorithm's default, cdsgd.base.checks.HYPER_DEFAULTS]: " in text
     assert "  lr = 0.05 [cdsgd run's own default; make_algorithm, simulate and the optimizers need lr given] (" in text
     assert "  batch_size = 32 (" in text and "  seed = 0: " in text  # the config's own: no source
+
+
+def test_adamw_and_schedule_keys_round_trip_and_reach_the_rule(tmp_path):
+    """``betas`` is a TOML array; ``lr_decay_steps`` 0 means "the run's total steps" and is not passed."""
+    from cdsgd.run.plan import hyperparameters
+
+    cfg = load_config(overrides=["optimizer=adamw", "betas=[0.8, 0.95]", "eps=1e-6", "lr_schedule=cosine",
+                                 "lr_warmup=10", "lr_min=0.001"])
+    assert cfg.betas == [0.8, 0.95] and key_info("betas")["default"] == [0.9, 0.999]
+    p = tmp_path / "config.toml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+    hyper = hyperparameters(cfg)
+    assert hyper["optimizer"] == "adamw" and hyper["betas"] == [0.8, 0.95] and "lr_decay_steps" not in hyper
+    assert hyperparameters(load_config(overrides=["lr_decay_steps=50"]))["lr_decay_steps"] == 50
+    alg = validate_config(cfg).algorithm
+    assert alg.adam.betas == (0.8, 0.95) and alg.step_size.warmup == 10 and alg.step_size.decay_steps is None
+
+
+def test_target_loss_is_declared_beside_target_accuracy():
+    keys = config_keys()
+    assert keys.index("target_loss") == keys.index("target_accuracy") + 1
+    assert key_info("target_loss")["default"] == 0.0
+    with pytest.raises(ValueError, match=r"^target_loss must be >= 0 \(0 means off\), got -1\.0$"):
+        validate_config(load_config(overrides=["target_loss=-1.0"]))

@@ -33,7 +33,11 @@ BAD = [
     ("weight_decay", -1.0, "cdsgd", r"^weight_decay must be a finite number >= 0, got -1\.0$"),
     ("fedavg_fraction", 1.5, "fedavg", r"^fedavg_fraction must be in \(0, 1\], got 1\.5$"),
     ("fedavg_fraction", 0.0, "fedavg", r"^fedavg_fraction must be in \(0, 1\], got 0\.0$"),
-    ("lr_schedule", "cosine", "cdsgd", r"^lr_schedule 'cosine' is unknown; allowed: constant, diminishing$"),
+    ("lr_schedule", "cosin", "cdsgd",
+     r"^lr_schedule 'cosin' is unknown; did you mean 'cosine'\? allowed: constant, diminishing, cosine, step$"),
+    ("optimizer", "adam", "cdsgd", r"^optimizer 'adam' is unknown; did you mean 'adamw'\? allowed: sgd, adamw$"),
+    ("eps", 0.0, "cdsgd", r"^eps must be a finite number > 0, got 0\.0$"),
+    ("lr_gamma", 1.5, "cdsgd", r"^lr_gamma must be in \(0, 1\], got 1\.5$"),
 ]
 IDS = [f"{k}={v}" for k, v, _, _ in BAD]
 
@@ -109,11 +113,13 @@ def test_each_number_and_schedule_lives_once():
     """The config declares its keys with the very objects the checks use; help texts are derived from them."""
     for name, bounds in [("lr", checks.LR), ("momentum", checks.MOMENTUM), ("lr_power", checks.LR_POWER),
                          ("lr_tau", checks.LR_TAU), ("weight_decay", checks.WEIGHT_DECAY),
-                         ("fedavg_fraction", checks.FEDAVG_FRACTION)]:
+                         ("fedavg_fraction", checks.FEDAVG_FRACTION), ("lr_min", checks.LR_MIN),
+                         ("lr_gamma", checks.LR_GAMMA), ("betas", checks.BETAS), ("eps", checks.EPS)]:
         assert key_info(name)["bounds"] is bounds, name
     assert key_info("lr_schedule")["choices"] is checks.LR_SCHEDULES
-    assert StepSize.SCHEDULES == checks.LR_SCHEDULES.names == ("constant", "diminishing")
-    assert key_info("lr_schedule")["help"].startswith("constant | diminishing:")
+    assert key_info("optimizer")["choices"] is checks.OPTIMIZERS
+    assert StepSize.SCHEDULES == checks.LR_SCHEDULES.names == ("constant", "diminishing", "cosine", "step")
+    assert key_info("lr_schedule")["help"].startswith("constant | diminishing | cosine | step:")
     assert key_info("lr_power")["help"].endswith(", in (0.5, 1]")
     assert str(checks.MOMENTUM) == "in [0, 1)" and str(checks.LR) == "a finite number > 0"
 
@@ -141,11 +147,13 @@ def test_bounds_check():
 
 def test_unknown_hyperparameter_is_checked_by_make_algorithm_alone():
     with pytest.raises(UnknownHyperparameter, match=r"^algorithm 'cdsgd' takes no hyperparameter 'momentum'; "
-                                                    r"allowed: lr, lr_schedule, lr_tau, lr_power, weight_decay$") as e:
+                                                    r"allowed: lr, lr_schedule, lr_tau, lr_power, lr_min, "
+                                                    r"lr_decay_steps, lr_step_size, lr_gamma, lr_warmup, "
+                                                    r"weight_decay, optimizer, betas, eps$") as e:
         make_algorithm("cdsgd", lr=0.1, momentum=0.9)
     assert isinstance(e.value, ValueError) and (e.value.algorithm, e.value.name) == ("cdsgd", "momentum")
     with pytest.raises(ValueError, match=r"^unknown option 'batchsize': not a Simulator option \(.*batch_size.*\) "
-                                         r"nor a hyperparameter of algorithm 'sgd' \(lr, .*weight_decay\)$") as e:
+                                         r"nor a hyperparameter of algorithm 'sgd' \(lr, .*weight_decay, optimizer, betas, eps\)$") as e:
         Simulator(lambda: nn.Linear(D, C), _shards(), None, "sgd", lr=0.1, batchsize=4)
     assert isinstance(e.value.__context__, UnknownHyperparameter)  # make_algorithm's refusal, reworded
     with pytest.raises(ValueError, match=r"hyperparameters \['lr'\] given with a ready Algorithm"):

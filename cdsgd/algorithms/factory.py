@@ -35,7 +35,11 @@ def make_algorithm(name: str, **hyper) -> Algorithm:
     """The algorithm ``name`` with hyperparameters ``hyper``.
 
     Common: ``lr`` (required: no step size suits every model), ``lr_schedule``,
-    ``lr_tau``, ``lr_power``, ``weight_decay``. Every rule but ``cdsgd``,
+    ``lr_tau``, ``lr_power``, ``lr_min``, ``lr_decay_steps``, ``lr_step_size``,
+    ``lr_gamma``, ``lr_warmup`` (:class:`~cdsgd.algorithms.StepSize`),
+    ``weight_decay``, ``optimizer``, ``betas``, ``eps`` (the local optimizer,
+    :mod:`cdsgd.algorithms.local_optim`; ``"adamw"`` for the rules that take
+    it, refused by the others). Every rule but ``cdsgd``,
     ``sgd`` and ``fedavg``: ``momentum``, ``nesterov``. ``fedavg``:
     ``local_steps`` or ``local_epochs``, ``fedavg_fraction``. ``choco``,
     ``beer``: ``compression``, ``compression_params``, ``consensus_step``

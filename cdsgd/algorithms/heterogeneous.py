@@ -36,6 +36,13 @@ the tracker for ``dsgt``); β = 0 gives d = u.
           Σ_j ∇f_j = 0 and consensus: no bias. Both exchanges need only the
           previous step, so both are posted before the backward pass.
           **Two vectors per step** (parameters and tracker).
+          Under ``optimizer="adamw"`` the direction is AdamW's of the tracker,
+          d = m̂/(√v̂ + ε) + λ x with m ← β1 m + (1 − β1) y^k, v ← β2 v +
+          (1 − β2) (y^k)² (the tracker is built from the gradients without
+          weight decay): GTAdam (Carnevale, Farina, Notarnicola & Notarstefano,
+          "GTAdam: gradient tracking with adaptive momentum for distributed
+          online optimization", IEEE TCNS 2023), with Adam's bias correction
+          and without GTAdam's clipping of v.
 ``d2``    D² / exact diffusion (Tang, Lian, Yan, Zhang & Liu, "D²:
           Decentralized training over decentralized data", ICML 2018), with
           u_k = α_k d_k (d the local momentum direction of g):
@@ -94,14 +101,16 @@ class _LocalMomentum(_MomentumMixin):
     """``momentum`` β and ``nesterov`` for the local direction d(u) (β = 0: d(u) = u, no buffers)."""
 
     def _momentum_state(self, X: torch.Tensor) -> dict:
-        return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X)} if self.momentum else {}
+        if not self.momentum or self.adam is not None:  # adamw: β1's moment is the momentum
+            return {}
+        return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X)}
 
 
 @ALGORITHMS.register("dsgt")
 class DSGTAlgorithm(_LocalMomentum, Algorithm):
     """Gradient tracking (module docstring): two vectors per step, both posted before the backward pass."""
 
-    name, traffic, mixes_params, vectors_per_step = "dsgt", "neighbours", True, 2
+    name, traffic, mixes_params, vectors_per_step, takes_adamw = "dsgt", "neighbours", True, 2, True
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"tracker": torch.zeros_like(X), "previous_gradient": torch.zeros_like(X), **self._momentum_state(X)}
@@ -121,7 +130,10 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
         for Wy_b, G_b, Y_b, Gp_b in _in_blocks(Wy, G, Y, G_prev):
             torch.add(Wy_b, G_b, out=Y_b).sub_(Gp_b)  # y^k = W_{k−1} y^{k−1} + g(x^k) − g(x^{k−1})
             Gp_b.copy_(G_b)
-        D = _direction(Y, state, self.momentum, self.nesterov)
+        if self.adam is None:
+            D = _direction(Y, state, self.momentum, self.nesterov)
+        else:  # GTAdam's form: Adam's moments of the tracker
+            D = self._local(Y, X, state)
         return cdsgd_update(mixed_x.wait(), D, self.step_size(k), out=X)
 
 

@@ -47,14 +47,15 @@ from typing import Callable
 
 import torch
 
-from ..base.checks import HYPER_DEFAULTS, SCHEDULED_LR, check_lr, check_momentum, check_nesterov, check_weight_decay
+from ..base.checks import (BETAS, EPS, HYPER_DEFAULTS, OPTIMIZERS, SCHEDULED_LR, check_lr, check_momentum,
+                           check_nesterov, check_weight_decay)
 from ..base.flat import flatten, unflatten
 from ..mixers import Mixer, check_mixer
 from .factory import algorithm_params, make_algorithm
+from .local_optim import adamw_direction
 from .rules import Algorithm, cdsgd_update, momentum_update, with_weight_decay
 
 __all__ = ["CDMSGD", "CDSGD", "DecentralizedOptimizer"]
-
 
 
 def _closure_loss(closure: Callable[[], torch.Tensor] | None):
@@ -63,6 +64,12 @@ def _closure_loss(closure: Callable[[], torch.Tensor] | None):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def _local_defaults(optimizer: str, betas, eps: float) -> dict:
+    """The local optimizer's entries of a group: ``optimizer``, ``betas`` (a tuple), ``eps``, checked."""
+    return {"optimizer": OPTIMIZERS.check("optimizer", optimizer), "betas": BETAS.check("betas", betas),
+            "eps": float(EPS.check("eps", eps))}
 
 
 class _FlatOptimizer(torch.optim.Optimizer):
@@ -141,6 +148,9 @@ class _ConsensusOptimizer(_FlatOptimizer):
     def _check_group(self, group: dict) -> None:
         check_lr(group["lr"])
         check_weight_decay(group["weight_decay"])
+        OPTIMIZERS.check("optimizer", group["optimizer"])
+        BETAS.check("betas", group["betas"])
+        EPS.check("eps", group["eps"])
 
     def _resize(self) -> None:
         params = self._params()
@@ -154,8 +164,19 @@ class _ConsensusOptimizer(_FlatOptimizer):
         self._handle = self.mixer.start(self._flat, out=self._mixed)
 
     def _update(self, p: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor, group: dict) -> None:
-        """Write the new value of parameter ``p`` into it."""
+        """Write the new value of parameter ``p`` into it (g: its gradient, with the L2 term under ``sgd``)."""
         raise NotImplementedError
+
+    def _adamw(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> torch.Tensor:
+        """AdamW's direction m̂/(√v̂ + ε) + λp for parameter ``p`` (a new tensor), its moments and step count
+        in ``self.state[p]`` (``exp_avg``, ``exp_avg_sq``, ``step``, as ``torch.optim.AdamW`` names them)."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                         step=torch.zeros((), dtype=torch.float64, device=p.device))
+        return adamw_direction(g, p, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                               betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"],
+                               out=torch.empty_like(p))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
@@ -168,7 +189,8 @@ class _ConsensusOptimizer(_FlatOptimizer):
             for p in group["params"]:
                 mixed = next(views)
                 g = torch.zeros_like(p) if p.grad is None else p.grad
-                g = with_weight_decay(g, p, group["weight_decay"])
+                if group["optimizer"] == "sgd":  # adamw: decoupled, in its direction
+                    g = with_weight_decay(g, p, group["weight_decay"])
                 self._update(p, mixed, g, group)
         return loss
 
@@ -183,7 +205,11 @@ class CDSGD(_ConsensusOptimizer):
             P-vector with its neighbours (e.g. the runtime's neighbour mixer);
             its matrix, if it has one, must be doubly stochastic.
         lr: step size α (> 0), keyword-only like every tunable.
-        weight_decay: L2 coefficient λ (g ← g + λx), >= 0.
+        weight_decay: λ >= 0: the L2 term (g ← g + λx) under ``optimizer="sgd"``, decoupled under ``"adamw"``.
+        optimizer: ``"sgd"`` (the default) or ``"adamw"``: x ← Σ_l π_jl x_l − α (m̂/(√v̂ + ε) + λx), the
+            moments in ``self.state[p]`` (``exp_avg``, ``exp_avg_sq``, ``step``); alone (Π = [1]) it is
+            ``torch.optim.AdamW`` (:mod:`cdsgd.algorithms.local_optim`).
+        betas, eps: AdamW's (β1, β2), each in [0, 1), and ε > 0 (used under ``"adamw"``).
 
     Use ``opt.post()`` before the backward pass to overlap the exchange,
     then ``opt.step()``; or just ``opt.step()``. ``lr`` in ``param_groups``
@@ -193,13 +219,16 @@ class CDSGD(_ConsensusOptimizer):
 
     rule = "cdsgd"
 
-    def __init__(self, params, mixer: Mixer, *, lr: float,
-                 weight_decay: float = HYPER_DEFAULTS["weight_decay"]) -> None:
-        defaults = {"lr": check_lr(lr), "weight_decay": check_weight_decay(weight_decay)}
+    def __init__(self, params, mixer: Mixer, *, lr: float, weight_decay: float = HYPER_DEFAULTS["weight_decay"],
+                 optimizer: str = HYPER_DEFAULTS["optimizer"], betas=HYPER_DEFAULTS["betas"],
+                 eps: float = HYPER_DEFAULTS["eps"]) -> None:
+        defaults = {"lr": check_lr(lr), "weight_decay": check_weight_decay(weight_decay),
+                    **_local_defaults(optimizer, betas, eps)}
         super().__init__(params, defaults, mixer)
 
     def _update(self, p, mixed, g, group):
-        cdsgd_update(mixed, g, group["lr"], out=p)
+        d = self._adamw(p, g, group) if group["optimizer"] == "adamw" else g
+        cdsgd_update(mixed, d, group["lr"], out=p)
 
 
 class CDMSGD(_ConsensusOptimizer):
@@ -213,6 +242,8 @@ class CDMSGD(_ConsensusOptimizer):
         params, mixer: as for :class:`CDSGD`.
         lr: α > 0. momentum: μ in [0, 1) (default 0.95, the paper's: ``HYPER_DEFAULTS``).
         nesterov: Nesterov form (default) or heavy ball. weight_decay: λ >= 0.
+        optimizer, betas, eps: as :class:`CDSGD`'s; under ``"adamw"`` CDMSGD is CDSGD with AdamW (Adam's
+        β1 moment is the momentum: ``momentum`` and ``nesterov`` are not used, no momentum buffer is kept).
         Each may differ per parameter group; ``lr`` and ``momentum`` follow
         ``torch.optim.lr_scheduler`` (``OneCycleLR`` cycles the momentum too).
     """
@@ -220,10 +251,11 @@ class CDMSGD(_ConsensusOptimizer):
     rule = "cdmsgd"
 
     def __init__(self, params, mixer: Mixer, *, lr: float, momentum: float = HYPER_DEFAULTS["momentum"],
-                 nesterov: bool = HYPER_DEFAULTS["nesterov"],
-                 weight_decay: float = HYPER_DEFAULTS["weight_decay"]) -> None:
+                 nesterov: bool = HYPER_DEFAULTS["nesterov"], weight_decay: float = HYPER_DEFAULTS["weight_decay"],
+                 optimizer: str = HYPER_DEFAULTS["optimizer"], betas=HYPER_DEFAULTS["betas"],
+                 eps: float = HYPER_DEFAULTS["eps"]) -> None:
         defaults = {"lr": check_lr(lr), "momentum": check_momentum(momentum), "nesterov": check_nesterov(nesterov),
-                    "weight_decay": check_weight_decay(weight_decay)}
+                    "weight_decay": check_weight_decay(weight_decay), **_local_defaults(optimizer, betas, eps)}
         super().__init__(params, defaults, mixer)
 
     def _check_group(self, group: dict) -> None:
@@ -232,6 +264,9 @@ class CDMSGD(_ConsensusOptimizer):
         check_nesterov(group["nesterov"])
 
     def _update(self, p, mixed, g, group):
+        if group["optimizer"] == "adamw":  # CDSGD's step along AdamW's direction
+            cdsgd_update(mixed, self._adamw(p, g, group), group["lr"], out=p)
+            return
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -253,13 +288,17 @@ class DecentralizedOptimizer(_FlatOptimizer):
     momentum too): each step uses the groups' current values. The rule
     updates one flat vector with one step size, so all groups must hold the
     same ``lr`` and ``momentum`` (a group that differs is refused). The
-    rule's own step-size schedule still applies on top: the step at k is
-    α_k = lr · s(k), with s(k) = 1 for ``lr_schedule="constant"`` (the
-    default; keep it when a torch scheduler drives lr) and (1 + k/τ)^−p for
-    ``"diminishing"``. A rule built with ``momentum=0`` keeps no momentum
-    buffer, so a group ``momentum`` > 0 is then refused at ``step``. The
-    other hyperparameters (``weight_decay``, ``nesterov``, ``lr_schedule``,
-    ...) belong to the rule, set when it is built.
+    rule's own step-size schedule still applies on top, with the group's
+    lr as α₀ (:class:`~cdsgd.algorithms.StepSize`): the step at k is lr for
+    ``lr_schedule="constant"`` (the default; keep it when a torch scheduler
+    drives lr), lr·(1 + k/τ)^−p for ``"diminishing"``, and so on; a
+    ``"cosine"`` needs ``lr_decay_steps`` here (no run's total steps to decay
+    over: refused without). A rule built with ``momentum=0`` keeps no momentum
+    buffer, so a group ``momentum`` > 0 is then refused at ``step``; under
+    ``optimizer="adamw"`` groups hold no ``momentum`` (Adam's β1 moment is
+    the momentum). The other hyperparameters (``weight_decay``, ``optimizer``,
+    ``lr_schedule``, ...) belong to the rule, set when it is built; AdamW's
+    moments are in its state (``opt.rule_state``, so in ``state_dict()``).
 
     Args:
         params: the agent's parameters (or parameter groups: see above).
@@ -301,7 +340,8 @@ class DecentralizedOptimizer(_FlatOptimizer):
                              "takes cdsgd, cdmsgd, dsgt, d2, qg_dsgdm or sgp")
         self.algorithm = algorithm
         # the hyperparameters that live in param_groups (lr schedulers change them), and the rule's own
-        self._tunable = ("lr", "momentum") if hasattr(algorithm, "momentum") else ("lr",)
+        adamw = getattr(algorithm, "adam", None) is not None  # adamw: no momentum (β1 is), none to tune
+        self._tunable = ("lr", "momentum") if hasattr(algorithm, "momentum") and not adamw else ("lr",)
         try:
             self._rule_only = set(algorithm_params(algorithm.name)) - set(self._tunable)
         except ValueError:  # a rule of the user's own, not registered
@@ -313,6 +353,8 @@ class DecentralizedOptimizer(_FlatOptimizer):
         self._X = flatten(self._params()).unsqueeze(0)
         self._G = torch.zeros_like(self._X)
         algorithm.bind(n_agents=mixer.n_agents, steps_per_epoch=1, seed=0)
+        if algorithm.step_size.schedule == "cosine":  # a loop of the user's own: no run's total steps to decay over
+            algorithm.step_size.horizon()
         self.rule_state = algorithm.init_state(self._X, mixer=mixer)  # the rule checks mixer.matrix here
         self.k = 0
         self._built = True

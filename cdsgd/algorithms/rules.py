@@ -1,4 +1,4 @@
-r"""The update rules: CDSGD, CDMSGD and the baselines, written once.
+r"""The update rules CDSGD and CDMSGD, the functional core and the :class:`Algorithm` every rule is.
 
 Notation: agent j holds flat parameters x_j, its stochastic gradient is
 g_j = ∇f_j(x_j) (+ λ·x_j with weight decay λ), Π is the mixing matrix, α_k the
@@ -14,21 +14,20 @@ element-wise apart from the mixing, so the same code serves both: only the
             x_j ← Σ_l π_jl x_l + μ m_j − α g_j(x_j)      (Nesterov, default)
             x_j ← Σ_l π_jl x_l + m_j                    (``nesterov=False``, heavy ball)
             m_j is local and never mixed.
-``sgd``     x_j ← x_j − α ḡ,  ḡ = (1/N) Σ_l g_l        (centralized: one model
-            trained on the union of the agents' batches)
-``msgd``    the same with momentum on ḡ (Nesterov or heavy ball as above,
-            with Σ_l π_jl x_l replaced by x_j)
-``fedavg``  each agent runs ``local_steps`` SGD steps on its shard (or
-            ``local_epochs`` epochs), then x_j ← mean of the participating
-            agents' x (all agents by default; ``fedavg_fraction`` samples
-            max(1, round(fraction·N)) agents per round; the others sit the
-            round out and receive the average)
-``local``   Π = I: x_j ← x_j − α g_j (momentum as in cdmsgd when μ > 0);
-            no communication.
 
-Step sizes: ``constant`` α_k = α₀, or ``diminishing``
-α_k = α₀ / (1 + k/τ)^p with 0.5 < p ≤ 1, so that Σ_k α_k = ∞ and
-Σ_k α_k² < ∞ (the condition under which CDSGD reaches exact consensus).
+The baselines (``sgd``, ``msgd``, ``fedavg``, ``local``) are in
+:mod:`cdsgd.algorithms.baselines`; the step sizes α_k (``constant``,
+``diminishing``, ``cosine``, ``step``, with a warm-up) in
+:mod:`cdsgd.algorithms.step_sizes`.
+
+**The local optimizer** (``optimizer``, :mod:`cdsgd.algorithms.local_optim`):
+``"sgd"`` is the arithmetic above; ``"adamw"`` replaces g_j (+ λ x_j) by the
+AdamW direction d_j = m̂_j/(√v̂_j + ε) + λ x_j of the agent's moments, so that
+``cdsgd`` is x_j ← Σ_l π_jl x_l − α_k d_j (the decentralized Adam of Nazari,
+Tarzanagh & Michailidis, "DADAM", IEEE TSP 2022, without its max on v̂), and
+``cdmsgd`` is the same rule (Adam's β1 moment is its momentum: ``momentum``
+and ``nesterov`` are not used). A rule whose ``takes_adamw`` is false refuses
+``"adamw"``, naming the rules that take it.
 
 Two ways in:
 
@@ -47,6 +46,10 @@ Example (two agents, one parameter each, zero gradients: one step is Π X)::
     >>> X = torch.tensor([[0.0], [1.0]]); G = torch.zeros(2, 1)
     >>> alg.update(X, G, alg.init_state(X), k=0, mixer=MatrixMixer([[0.75, 0.25], [0.25, 0.75]])).tolist()  # X, updated
     [[0.25], [0.75]]
+    >>> make_algorithm("d2", lr=0.1, optimizer="adamw")
+    Traceback (most recent call last):
+    ...
+    ValueError: algorithm 'd2' takes optimizer='sgd' only (no reference defines its form with Adam); optimizer='adamw' is for cdsgd, cdmsgd, sgd, msgd, fedavg, local, dsgt
 """
 
 from __future__ import annotations
@@ -58,16 +61,15 @@ import torch
 
 from topologies import TOL, Registry, validate
 
-from ..base.checks import (FEDAVG_FRACTION, HYPER_DEFAULTS, LR_POWER, LR_SCHEDULES, LR_TAU, check_int, check_lr,
-                           check_momentum, check_nesterov, check_weight_decay)
+from ..base.checks import HYPER_DEFAULTS, check_momentum, check_nesterov, check_weight_decay
 from ..base.flat import kept
-from ..base.seeding import derive_seed
 from ..mixers import Handle, Mixer, is_schedule, is_sparse
+from .local_optim import local_optimizer
+from .step_sizes import StepSize
 
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
-    "StepSize",
     "cdsgd_update",
     "momentum_update",
     "with_weight_decay",
@@ -135,33 +137,6 @@ def momentum_update(
 
 
 # --------------------------------------------------------------------------
-# step sizes
-
-
-class StepSize:
-    """α_k: ``constant`` (α₀) or ``diminishing`` (α₀ / (1 + k/τ)^p, 0.5 < p ≤ 1).
-
-    >>> s = StepSize(0.1, "diminishing", tau=10, power=1.0)
-    >>> [round(s(k), 4) for k in (0, 10, 30)]
-    [0.1, 0.05, 0.025]
-    """
-
-    SCHEDULES = LR_SCHEDULES.names
-
-    def __init__(self, lr: float, schedule: str = HYPER_DEFAULTS["lr_schedule"], *,
-                 tau: float = HYPER_DEFAULTS["lr_tau"], power: float = HYPER_DEFAULTS["lr_power"]) -> None:
-        self.lr = check_lr(lr)
-        self.schedule = LR_SCHEDULES.check("lr_schedule", schedule)
-        self.tau = float(LR_TAU.check("lr_tau", tau))
-        self.power = float(LR_POWER.check("lr_power", power))
-
-    def __call__(self, k: int) -> float:
-        if self.schedule == "constant":
-            return self.lr
-        return self.lr / (1.0 + k / self.tau) ** self.power
-
-
-# --------------------------------------------------------------------------
 # the algorithms, as executors see them
 
 ALGORITHMS: Registry[type["Algorithm"]] = Registry("algorithm")
@@ -205,18 +180,35 @@ class Algorithm:
     #: :mod:`cdsgd.network.lossy`): "own" (its weight added to the receiver's own), "lost" (push-sum: the
     #: mass never arrives), or None (the rule cannot lose messages and refuses such a network)
     lost_message: ClassVar[str | None] = "own"
+    #: the rule takes ``optimizer="adamw"`` (docs/algorithms.md gives each one's form and its reference)
+    takes_adamw: ClassVar[bool] = False
     #: the root of the rule's random streams (:meth:`bind` sets the run's; 0 until then)
     seed: int = 0
 
     def __init__(self, *, lr: float, lr_schedule: str = HYPER_DEFAULTS["lr_schedule"],
                  lr_tau: float = HYPER_DEFAULTS["lr_tau"], lr_power: float = HYPER_DEFAULTS["lr_power"],
-                 weight_decay: float = HYPER_DEFAULTS["weight_decay"]) -> None:
-        self.step_size = StepSize(lr, lr_schedule, tau=lr_tau, power=lr_power)
+                 lr_min: float = HYPER_DEFAULTS["lr_min"], lr_decay_steps: int | None = HYPER_DEFAULTS["lr_decay_steps"],
+                 lr_step_size: int = HYPER_DEFAULTS["lr_step_size"], lr_gamma: float = HYPER_DEFAULTS["lr_gamma"],
+                 lr_warmup: int = HYPER_DEFAULTS["lr_warmup"], weight_decay: float = HYPER_DEFAULTS["weight_decay"],
+                 optimizer: str = HYPER_DEFAULTS["optimizer"], betas=HYPER_DEFAULTS["betas"],
+                 eps: float = HYPER_DEFAULTS["eps"]) -> None:
+        self.step_size = StepSize(lr, lr_schedule, tau=lr_tau, power=lr_power, lr_min=lr_min,
+                                  decay_steps=lr_decay_steps, step_size=lr_step_size, gamma=lr_gamma, warmup=lr_warmup)
         self.weight_decay = check_weight_decay(weight_decay)
+        #: the local optimizer's transform: None for ``"sgd"``, an :class:`~.local_optim.AdamW` for ``"adamw"``
+        self.adam = local_optimizer(optimizer, betas=betas, eps=eps)
+        self.optimizer = optimizer
+        if self.adam is not None and not self.takes_adamw:
+            takers = ", ".join(n for n in ALGORITHMS if ALGORITHMS.get(n).takes_adamw)
+            raise ValueError(f"algorithm {self.name!r} takes optimizer='sgd' only (no reference defines its form "
+                             f"with Adam); optimizer='adamw' is for {takers}")
 
-    def bind(self, *, n_agents: int, steps_per_epoch: int, seed: int) -> "Algorithm":
-        """Tell the rule the system it runs in (FedAvg needs it). Returns self."""
+    def bind(self, *, n_agents: int, steps_per_epoch: int, seed: int, total_steps: int | None = None) -> "Algorithm":
+        """Tell the rule the system it runs in (FedAvg needs it) and, when known, the step at which the run
+        ends (``total_steps``: a cosine step size's horizon unless ``lr_decay_steps`` is given). Returns self."""
         self.n_agents, self.steps_per_epoch, self.seed = n_agents, steps_per_epoch, seed
+        if total_steps is not None:
+            self.step_size.total_steps = total_steps
         return self
 
     def expect_losses(self) -> None:
@@ -234,7 +226,8 @@ class Algorithm:
         """
         if mixer is not None:
             self.check_mixer(mixer)
-        return self._init_state(X, mixer)
+        state = self._init_state(X, mixer)
+        return state if self.adam is None else {**state, **self.adam.init_state(X)}
 
     def _init_state(self, X: torch.Tensor, mixer: Mixer | None) -> dict:
         """The rule's own state (:meth:`init_state`, whose mixer has been checked)."""
@@ -309,14 +302,25 @@ class Algorithm:
         where rule and mixer met (:meth:`init_state`), not here.
         """
         mixer = None if mixer is None else mixer.at(k)
-        decayed = self._scratch(X, "decayed") if self.weight_decay else None
-        G = with_weight_decay(G, X, self.weight_decay, out=decayed)
+        if self.adam is None:  # sgd: the L2 term in g; adamw: decoupled, in the direction (:meth:`_local`)
+            decayed = self._scratch(X, "decayed") if self.weight_decay else None
+            G = with_weight_decay(G, X, self.weight_decay, out=decayed)
         return self._step(X, G, state, k=k, mixer=mixer, mixed=mixed)
 
     def _step(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer | None,
               mixed: Handle | torch.Tensor | None) -> torch.Tensor:
-        """The rule's arithmetic of step k (:meth:`update`): G has its weight decay, ``mixer`` is step k's."""
+        """The rule's arithmetic of step k (:meth:`update`): G has its weight decay (under ``sgd``), ``mixer``
+        is step k's."""
         raise NotImplementedError
+
+    def _local(self, U: torch.Tensor, X: torch.Tensor, state: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The local optimizer's direction for the update U the rule would step along (G, ḡ, a tracker), at
+        the pre-step X: U itself under ``sgd``; under ``adamw`` m̂/(√v̂ + ε) + λx (:mod:`.local_optim`), in a
+        buffer of this rule's. ``rows``: the held agents that step (None: all)."""
+        if self.adam is None:
+            return U
+        return self.adam.direction(U, X, state, weight_decay=self.weight_decay, out=self._scratch(X, "adam_direction"),
+                                   rows=rows)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.step_size.lr}, schedule={self.step_size.schedule!r})"
@@ -344,7 +348,8 @@ def _direction(G: torch.Tensor, state: dict, momentum: float, nesterov: bool) ->
 
 
 class _MomentumMixin:
-    """``momentum`` μ and ``nesterov`` (their defaults: HYPER_DEFAULTS), with a momentum buffer per agent."""
+    """``momentum`` μ and ``nesterov`` (their defaults: HYPER_DEFAULTS), with a momentum buffer per agent
+    (none under ``optimizer="adamw"``, whose β1 moment takes the momentum's place: μ and nesterov unused)."""
 
     def __init__(self, *, momentum: float = HYPER_DEFAULTS["momentum"], nesterov: bool = HYPER_DEFAULTS["nesterov"],
                  **common) -> None:
@@ -353,97 +358,23 @@ class _MomentumMixin:
         self.nesterov = check_nesterov(nesterov)
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
-        return {"momentum": torch.zeros_like(X)}
+        return {"momentum": torch.zeros_like(X)} if self.adam is None else {}  # adamw: β1's moment is the momentum
 
 
 @ALGORITHMS.register("cdsgd")
 class CDSGDAlgorithm(Algorithm):
-    name, traffic, mixes_params = "cdsgd", "neighbours", True
+    name, traffic, mixes_params, takes_adamw = "cdsgd", "neighbours", True, True
 
     def _step(self, X, G, state, *, k, mixer, mixed):
-        return cdsgd_update(self._mixed(X, mixer, mixed), G, self.step_size(k), out=X)
+        return cdsgd_update(self._mixed(X, mixer, mixed), self._local(G, X, state), self.step_size(k), out=X)
 
 
 @ALGORITHMS.register("cdmsgd")
 class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
-    name, traffic, mixes_params = "cdmsgd", "neighbours", True
+    name, traffic, mixes_params, takes_adamw = "cdmsgd", "neighbours", True, True
 
     def _step(self, X, G, state, *, k, mixer, mixed):
-        return momentum_update(self._mixed(X, mixer, mixed), G, state["momentum"], self.step_size(k),
-                               self.momentum, self.nesterov, out=X)
-
-
-@ALGORITHMS.register("sgd")
-class SGDAlgorithm(Algorithm):
-    name, traffic, same_init = "sgd", "allreduce", True
-
-    def _step(self, X, G, state, *, k, mixer, mixed):
-        G = mixer.average(G, out=self._scratch(X, "average"))
-        return cdsgd_update(X, G, self.step_size(k), out=X)
-
-
-@ALGORITHMS.register("msgd")
-class MSGDAlgorithm(_MomentumMixin, Algorithm):
-    name, traffic, same_init = "msgd", "allreduce", True
-
-    def _step(self, X, G, state, *, k, mixer, mixed):
-        G = mixer.average(G, out=self._scratch(X, "average"))
-        return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
-
-
-@ALGORITHMS.register("fedavg")
-class FedAvgAlgorithm(Algorithm):
-    name, traffic, same_init = "fedavg", "allreduce", True
-
-    def __init__(self, *, local_steps: int | None = HYPER_DEFAULTS["local_steps"], local_epochs: int | None = None,
-                 fedavg_fraction: float = HYPER_DEFAULTS["fedavg_fraction"], **common) -> None:
-        super().__init__(**common)
-        if local_steps is not None and local_epochs is not None:
-            raise ValueError(f"give local_steps or local_epochs, not both (got {local_steps} and {local_epochs})")
-        self.local_steps = None if local_steps is None else check_int("local_steps", local_steps, 1)
-        self.local_epochs = None if local_epochs is None else check_int("local_epochs", local_epochs, 1)
-        if self.local_steps is None and self.local_epochs is None:  # local_epochs None: "not given", so that
-            self.local_epochs = HYPER_DEFAULTS["local_epochs"]  # giving both is refused above
-        self.fraction = float(FEDAVG_FRACTION.check("fedavg_fraction", fedavg_fraction))
-        self._round_mask: tuple[int | None, torch.Tensor | None] = (None, None)  # (round, participants)
-
-    @property
-    def round_length(self) -> int:
-        return self.local_steps if self.local_steps is not None else self.local_epochs * self.steps_per_epoch
-
-    def participants(self, k: int) -> torch.Tensor | None:
-        if self.fraction == 1.0:
-            return None
-        r = k // self.round_length
-        if self._round_mask[0] != r:  # drawn once per round, asked for by the executor and by update
-            g = torch.Generator().manual_seed(derive_seed(self.seed, "fedavg", r))
-            m = max(1, round(self.fraction * self.n_agents))
-            mask = torch.zeros(self.n_agents, dtype=torch.bool)
-            mask[torch.randperm(self.n_agents, generator=g)[:m]] = True
-            self._round_mask = (r, mask)
-        return self._round_mask[1]
-
-    def _step(self, X, G, state, *, k, mixer, mixed):
-        mask = self.participants(k)
-        if mask is None:
-            cdsgd_update(X, G, self.step_size(k), out=X)
-        else:  # agents sitting the round out keep their parameters
-            X.copy_(torch.where(_rows(mask[mixer.agents], X), X - self.step_size(k) * G, X))
-        if (k + 1) % self.round_length == 0:
-            X.copy_(mixer.average(X, mask, out=self._scratch(X, "average")))
-        return X
-
-
-def _rows(mask: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """A mask over the stack's rows, broadcastable over the L×P stack."""
-    return mask.view(-1, *([1] * (X.dim() - 1)))
-
-
-@ALGORITHMS.register("local")
-class LocalAlgorithm(_MomentumMixin, Algorithm):
-    name, traffic = "local", "none"
-
-    def _step(self, X, G, state, *, k, mixer, mixed):
-        if self.momentum:
-            return momentum_update(X, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)
-        return cdsgd_update(X, G, self.step_size(k), out=X)
+        mixed = self._mixed(X, mixer, mixed)
+        if self.adam is not None:  # cdsgd's step along AdamW's direction
+            return cdsgd_update(mixed, self._local(G, X, state), self.step_size(k), out=X)
+        return momentum_update(mixed, G, state["momentum"], self.step_size(k), self.momentum, self.nesterov, out=X)

@@ -24,8 +24,12 @@ refuse a bad value with one message::
     Traceback (most recent call last):
     ...
     ValueError: momentum must be in [0, 1), got 1.0
-    >>> str(LR_POWER), str(LR_SCHEDULES)
-    ('in (0.5, 1]', 'constant | diminishing')
+    >>> str(LR_POWER), str(LR_SCHEDULES), str(BETAS)
+    ('in (0.5, 1]', 'constant | diminishing | cosine | step', 'two numbers, each in [0, 1)')
+    >>> OPTIMIZERS.check("optimizer", "adam")
+    Traceback (most recent call last):
+    ...
+    ValueError: optimizer 'adam' is unknown; did you mean 'adamw'? allowed: sgd, adamw
 
 Their defaults are declared here once too, in :data:`HYPER_DEFAULTS`: the
 algorithms' signatures, the ``torch.optim`` classes and the config's keys
@@ -40,6 +44,7 @@ Pure Python: importing this module imports neither torch nor numpy.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from dataclasses import dataclass
@@ -48,9 +53,10 @@ from typing import Any, Iterable
 
 from topologies import unknown_name_error
 
-__all__ = ["FEDAVG_FRACTION", "HYPER_DEFAULTS", "LR", "LR_POWER", "LR_SCHEDULES", "LR_TAU", "MOMENTUM", "SCHEDULED_LR",
-           "WEIGHT_DECAY", "Bounds", "Choices", "check_choice", "check_int", "check_lr", "check_momentum",
-           "check_nesterov", "check_number", "check_weight_decay"]
+__all__ = ["BETAS", "EPS", "FEDAVG_FRACTION", "HYPER_DEFAULTS", "LR", "LR_GAMMA", "LR_MIN", "LR_POWER", "LR_SCHEDULES",
+           "LR_TAU", "MOMENTUM", "OPTIMIZERS", "SCHEDULED_LR", "WEIGHT_DECAY", "Bounds", "Choices", "Numbers",
+           "check_choice", "check_int", "check_lr", "check_momentum", "check_nesterov", "check_number",
+           "check_weight_decay"]
 
 
 def check_int(name: str, value: Any, low: int = 1, *, what: str = "") -> int:
@@ -132,10 +138,41 @@ class Choices:
         return " | ".join(self.names)
 
     def check(self, name: str, value: Any) -> str:
-        """``value`` if it is one of the names; else a ValueError naming ``name``, ``value`` and the names."""
+        """``value`` if it is one of the names; else a ValueError naming ``name``, ``value``, the closest name
+        (when one is close) and the names."""
         if value not in self.names:
-            raise ValueError(f"{name} {value!r} is unknown; allowed: {', '.join(self.names)}")
+            close = difflib.get_close_matches(str(value), self.names, n=1, cutoff=0.6)
+            hint = f" did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{name} {value!r} is unknown;{hint} allowed: {', '.join(self.names)}")
         return value
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """A fixed count of numbers, each within ``each`` (AdamW's ``betas``); checked as one value.
+
+    >>> Numbers(2, Bounds(low=0, high=1, high_open=True)).check("betas", [0.9, 1.0])
+    Traceback (most recent call last):
+    ...
+    ValueError: betas must be two numbers, each in [0, 1), got [0.9, 1.0]
+    """
+
+    count: int
+    each: Bounds
+
+    def __str__(self) -> str:
+        words = {1: "one number", 2: "two numbers", 3: "three numbers"}
+        return f"{words.get(self.count, f'{self.count} numbers')}, each {self.each}"
+
+    def check(self, name: str, value: Any) -> tuple[float, ...]:
+        """``value`` as a tuple of floats if it is a list or tuple of ``count`` numbers within ``each``; else
+        a ValueError naming ``name``, what is allowed and ``value``."""
+        ok = isinstance(value, (list, tuple)) and len(value) == self.count and all(
+            not isinstance(v, bool) and isinstance(v, numbers.Real) and not math.isnan(v) and v in self.each
+            for v in value)
+        if not ok:
+            raise ValueError(f"{name} must be {self}, got {value!r}")
+        return tuple(float(v) for v in value)
 
 
 # The algorithms' hyperparameters (cdsgd.algorithms.make_algorithm, the torch.optim classes, the config keys).
@@ -152,7 +189,17 @@ LR_TAU = Bounds(low=0, low_open=True)
 #: p of the diminishing step size: in (0.5, 1], the condition under which CDSGD reaches exact consensus
 LR_POWER = Bounds(low=0.5, high=1, low_open=True, note=" so that Σα = ∞ and Σα² < ∞")
 #: the step-size schedules α_k (cdsgd.algorithms.StepSize)
-LR_SCHEDULES = Choices(("constant", "diminishing"))
+LR_SCHEDULES = Choices(("constant", "diminishing", "cosine", "step"))
+#: the floor α_min a cosine schedule decays to: finite and >= 0
+LR_MIN = Bounds(low=0, finite=True)
+#: γ of the step schedule (α₀·γ^⌊k/s⌋): in (0, 1]
+LR_GAMMA = Bounds(low=0, high=1, low_open=True)
+#: each agent's local optimizer (cdsgd.algorithms.local_optim): the rule's own SGD arithmetic, or AdamW
+OPTIMIZERS = Choices(("sgd", "adamw"))
+#: AdamW's (β1, β2): two numbers, each in [0, 1)
+BETAS = Numbers(2, Bounds(low=0, high=1, high_open=True))
+#: AdamW's ε: finite and > 0
+EPS = Bounds(low=0, low_open=True, finite=True)
 #: the fraction of agents FedAvg samples per round: in (0, 1]
 FEDAVG_FRACTION = Bounds(low=0, high=1, low_open=True)
 
@@ -160,13 +207,22 @@ FEDAVG_FRACTION = Bounds(low=0, high=1, low_open=True)
 #: update rules' signatures (cdsgd.algorithms), the torch.optim classes (cdsgd.algorithms.optim) and the config's
 #: keys (cdsgd.config) read it from here, so that every door trains an algorithm with the same values. ``lr`` has
 #: none: the API doors need it given (the config's 0.05 is the default job's step size, cdsgd.config).
+#: ``lr_decay_steps`` None: a cosine decays over the run's total steps (the config writes it 0).
 #: ``local_steps`` None: FedAvg rounds of ``local_epochs`` epochs (the config writes it 0); ``compression_params``
 #: empty: each compressor's own defaults (cdsgd.algorithms.compression). Read-only: copy before changing.
 HYPER_DEFAULTS = MappingProxyType({
     "lr_schedule": "constant",
     "lr_tau": 1000.0,
     "lr_power": 1.0,
+    "lr_min": 0.0,
+    "lr_decay_steps": None,  # cosine: decay over the run's total steps (the config writes 0)
+    "lr_step_size": 1000,
+    "lr_gamma": 0.1,  # torch.optim.lr_scheduler.StepLR's
+    "lr_warmup": 0,
     "weight_decay": 0.0,
+    "optimizer": "sgd",
+    "betas": (0.9, 0.999),  # torch.optim.AdamW's
+    "eps": 1e-8,
     "momentum": 0.95,  # CDMSGD's (the paper's), for every rule with a momentum
     "nesterov": True,
     "local_steps": None,
