@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 from topologies import unknown_name_error
 
-from .base.checks import (FEDAVG_FRACTION, HYPER_DEFAULTS, LR, LR_POWER, LR_SCHEDULES, LR_TAU, MOMENTUM,
-                          WEIGHT_DECAY, Bounds, Choices, check_choice)
+from .base.checks import (BETAS, EPS, FEDAVG_FRACTION, HYPER_DEFAULTS, LR, LR_GAMMA, LR_MIN, LR_POWER, LR_SCHEDULES,
+                          LR_TAU, MOMENTUM, OPTIMIZERS, WEIGHT_DECAY, Bounds, Choices, Numbers, check_choice)
 
 __all__ = ["ALGORITHMS_DEFAULT", "Config", "FAMILY_DEFAULTS", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges",
            "config_keys", "dump_config", "family_defaults", "hyper_key", "key", "key_info", "load_config",
@@ -45,7 +45,7 @@ ALGORITHMS_DEFAULT = "every algorithm's default, cdsgd.base.checks.HYPER_DEFAULT
 
 
 def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), registry: str = "",
-        bounds: Bounds | None = None, low: float | None = None, above: float | None = None, note: str = "",
+        bounds: Bounds | Numbers | None = None, low: float | None = None, above: float | None = None, note: str = "",
         unit: str = "", volatile: bool = False, identity: bool = False, unset: Any = None, overridden_by: str = "",
         source: str = ""):
     """A config field with everything known about it, declared once, next to the field.
@@ -55,7 +55,8 @@ def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), regis
     takes the value, is checked with its own message), or ``registry`` the registry
     that holds them (resolved by the validation door,
     :func:`cdsgd.run.plan.validate_config`); ``bounds`` the allowed interval
-    (a :class:`~cdsgd.base.checks.Bounds`, e.g. the algorithms' own), or
+    (a :class:`~cdsgd.base.checks.Bounds`, e.g. the algorithms' own, or a
+    :class:`~cdsgd.base.checks.Numbers` for a list of them), or
     the shorthand ``low`` (>=) or ``above`` (>), with ``note``/``unit`` for
     its message; ``volatile``: where or how, not what, is computed (may
     differ between a run and its resumption, and never identifies a run);
@@ -75,6 +76,8 @@ def key(default: Any, help: str, *, choices: Sequence[str] | Choices = (), regis
             "overridden_by": overridden_by, "source": source}
     if isinstance(default, Mapping):
         return field(default_factory=lambda: dict(default), metadata=meta)
+    if isinstance(default, (list, tuple)):  # a list key (betas): TOML's arrays; a tuple default read as a list
+        return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -109,9 +112,11 @@ class Config:
                       registry="mixing", identity=True)
     # --- data
     dataset: str = key("digits", "digits | mnist | fashion-mnist | mnist5k | cifar10 | cifar100 | synthetic | "
-                       "plaid | japanese_vowels | synthetic_seq | package.module:loader (your own)",
+                       "plaid | japanese_vowels | synthetic_seq | fortunes | python_code (byte-level text) | "
+                       "package.module:loader (your own)",
                        registry="dataset", identity=True)
-    dataset_params: dict = key({}, "data set options, e.g. {subsample = 1} for plaid (its full-length series); "
+    dataset_params: dict = key({}, "data set options, e.g. {subsample = 1} for plaid (its full-length series), "
+                               "{context = 128} for text (its window length in bytes); "
                                "each data set's options: docs/data.md")
     data_dir: str = key("data", "where data files are looked for (and downloaded to)")
     download: bool = key(False, "fetch missing MNIST/Fashion-MNIST/CIFAR files (SHA-256 verified)", volatile=True)
@@ -132,7 +137,8 @@ class Config:
     bucket_fill: bool = key(False, "bucketing: a bucket's last, partial batch is filled up from the next longer "
                             "bucket (every batch full but an epoch's last; needs bucket_sync=false)")
     # --- model
-    model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru | "
+    model: str = key("mlp", "logreg | mlp | fcn | lenet | cnn | big_cnn | lstm | gru | pgru | gpt (text: a decoder-"
+                     "only transformer; model_params layers, heads, width, context, dropout) | "
                      "package.module:factory (your own)", registry="model",
                      identity=True)
     model_params: dict = key({}, "model options, e.g. {hidden = 32, layers = 1, packed = true}")
@@ -145,14 +151,31 @@ class Config:
     # doors need it given; 0.05 is the config's, the default job's (digits, MLP) step size
     lr: float = key(0.05, "step size α (α₀ when diminishing)", bounds=LR,
                     source="cdsgd run's own default; make_algorithm, simulate and the optimizers need lr given")
-    lr_schedule: str = hyper_key("lr_schedule", f"{LR_SCHEDULES}: α₀ / (1 + k/lr_tau)^lr_power",
-                                 choices=LR_SCHEDULES)
+    lr_schedule: str = hyper_key("lr_schedule", f"{LR_SCHEDULES}: constant α₀; diminishing α₀ / (1 + k/lr_tau)^lr_power; "
+                                 "cosine lr_min + (α₀ − lr_min)·½(1 + cos(π·min(k, K)/K)), K = lr_decay_steps or "
+                                 "the run's total steps; step α₀·lr_gamma^⌊k/lr_step_size⌋", choices=LR_SCHEDULES)
     lr_tau: float = hyper_key("lr_tau", "τ of the diminishing schedule", bounds=LR_TAU)
     lr_power: float = hyper_key("lr_power", f"p of the diminishing schedule, {LR_POWER}", bounds=LR_POWER)
-    momentum: float = hyper_key("momentum", "μ of every algorithm that takes one (all but cdsgd, sgd, fedavg)",
+    lr_min: float = hyper_key("lr_min", "α_min, the step size a cosine schedule decays to (<= lr)", bounds=LR_MIN)
+    lr_decay_steps: int = key(0, "K, the steps a cosine schedule decays over (0: the run's total steps)", low=0,
+                              note=" (0 means the run's total steps)", unset=0,
+                              source=ALGORITHMS_DEFAULT + " (none, written 0)")
+    lr_step_size: int = hyper_key("lr_step_size", "s of the step schedule: α₀·lr_gamma^⌊k/s⌋", low=1)
+    lr_gamma: float = hyper_key("lr_gamma", f"γ of the step schedule, {LR_GAMMA}", bounds=LR_GAMMA)
+    lr_warmup: int = hyper_key("lr_warmup", "linear warm-up steps w, for every schedule: α_k scaled by (k + 1)/w "
+                               "for k < w (0: none)", low=0, note=" (0 means none)")
+    momentum: float = hyper_key("momentum", "μ of every algorithm that takes one (all but cdsgd, sgd, fedavg; "
+                                "unused under optimizer=adamw, whose β1 is the momentum)",
                                 bounds=MOMENTUM)
     nesterov: bool = hyper_key("nesterov", "Nesterov form (the paper's) or heavy ball")
-    weight_decay: float = hyper_key("weight_decay", "L2 coefficient λ", bounds=WEIGHT_DECAY)
+    weight_decay: float = hyper_key("weight_decay", "λ: the L2 term g + λx (optimizer=sgd); decoupled, "
+                                    "x ← x − αλx, under optimizer=adamw", bounds=WEIGHT_DECAY)
+    optimizer: str = hyper_key("optimizer", f"each agent's local optimizer, {OPTIMIZERS}: the rule's own SGD "
+                               "(and momentum), or AdamW's direction m̂/(√v̂ + ε) + λx in place of the gradient "
+                               "(cdsgd, cdmsgd, dsgt, sgd, msgd, fedavg, local; momentum and nesterov unused: β1 "
+                               "is the momentum; docs/algorithms.md)", choices=OPTIMIZERS)
+    betas: list = hyper_key("betas", f"AdamW's (β1, β2), {BETAS}", bounds=BETAS)
+    eps: float = hyper_key("eps", "AdamW's ε, added to √v̂", bounds=EPS)
     grad_clip: float = key(0.0, "largest norm of each agent's gradient: g_j scaled by min(1, c/‖g_j‖₂) (0: off)",
                            low=0, note=" (0 means off)")
     local_steps: int = key(0, "fedavg: local steps per round (0: not given, use local_epochs)", low=0,
@@ -177,6 +200,9 @@ class Config:
                                "measured), stragglers, straggler_slowdown, drop, link_failure, agents_per_host")
     target_accuracy: float = key(0.0, "a test accuracy to reach: summary.json and the sweep's results.csv give the "
                                  "steps and simulated seconds to it (0: off)", low=0, note=" (0 means off)")
+    target_loss: float = key(0.0, "a test loss to reach (nats per token for text): summary.json and the sweep's "
+                             "results.csv give the steps and simulated seconds to reach it (0: off)", low=0,
+                             note=" (0 means off)")
     init: str = key("same", "same | independent initial parameters across agents", choices=("same", "independent"))
     strategy: str = key("auto", "simulator strategy: auto | loop | vmap", choices=("auto", "loop", "vmap"))
     exact: bool = key(False, "mix with ordered multiply-adds (as the runtime's exact mode)")
@@ -210,7 +236,8 @@ class Config:
 
 
 _TYPES = {f.name: f.type for f in dataclasses.fields(Config)}
-_PY = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "float | str": (float, str)}
+_PY = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "list": list,
+       "float | str": (float, str)}
 _META = {f.name: f.metadata for f in dataclasses.fields(Config)}
 
 #: keys that may differ between a run and its resumption (where and how, not what, is computed)

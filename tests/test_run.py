@@ -22,7 +22,8 @@ from cdsgd.executor import METRIC_COLUMNS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONTRACT_COLUMNS = ["epoch", "step", "train_loss", "test_loss", "test_accuracy", "test_accuracy_avg_model",
                     "consensus_distance", "bytes_sent_per_agent", "wall_seconds", "sim_seconds",
-                    "test_loss_avg_model", "mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves"]
+                    "test_loss_avg_model", "mgrit_iters", "mgrit_residual", "mgrit_fallbacks", "mgrit_solves",
+                    "test_bits_per_byte", "test_perplexity", "test_bits_per_byte_avg_model", "test_perplexity_avg_model"]
 SMALL = ["dataset=synthetic", "model=logreg", "n_agents=4", "epochs=2", "batch_size=16", "lr=0.1"]
 
 

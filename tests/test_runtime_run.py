@@ -81,6 +81,24 @@ def test_exact_mode_bit_identical(tmp_path):
         assert a["sim_seconds"] > 0
 
 
+def test_a_language_model_with_adamw_agents_is_bit_identical_in_the_runtime(tmp_path):
+    """gpt on byte-level text, AdamW agents with warm-up and cosine decay, 2 agents in each of 2 processes,
+    exact mode: the same parameters bit for bit, and the same text figures in metrics.csv."""
+    text = ["dataset=python_code", "dataset_params={context = 16, max_bytes = 20000}", "model=gpt",
+            "model_params={width = 16, heads = 2, layers = 1, context = 16}", "n_agents=4", "algorithm=cdmsgd",
+            "optimizer=adamw", "lr=0.003", "lr_schedule=cosine", "lr_warmup=3", "weight_decay=0.01",
+            "batch_size=4", "epochs=0.2", "eval_steps=5", "exact=true", "save_params=true"]
+    sim, tor = run_pair(tmp_path, text, 2, "lm-")
+    assert torch.equal(torch.load(sim / "params.pt"), torch.load(tor / "params.pt"))
+    ms, mt = metrics(sim), metrics(tor)
+    assert len(ms) == len(mt) >= 2
+    for a, b in zip(ms, mt):
+        for k in ("step", "test_loss", "test_accuracy", "test_bits_per_byte", "test_perplexity_avg_model"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    assert json.loads((tor / "summary.json").read_text())["bigram_loss"] == json.loads(
+        (sim / "summary.json").read_text())["bigram_loss"]
+
+
 def test_training_bytes_are_degree_times_p_times_steps(tmp_path):
     tor = tmp_path / "bytes"
     r = cli("launch", "--nproc-per-node", "4", *BASE, "topology=ring", f"out={tor}")

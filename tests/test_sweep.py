@@ -269,7 +269,7 @@ def test_results_csv_and_table_carry_the_simulated_time_to_target(tmp_path):
     collect(out)
     fields, rows = read_results(out)
     assert fields == ["network"] + RESULT_COLUMNS
-    assert fields[fields.index("wall_seconds") + 1:fields.index("status")] == [
+    assert fields[fields.index("wall_seconds") + 1:fields.index("test_bits_per_byte")] == [
         "simulated_seconds", "target_accuracy", "steps_to_target", "sim_seconds_to_target"]
     got = {r["run"]: (r["simulated_seconds"], r["target_accuracy"], r["steps_to_target"], r["sim_seconds_to_target"])
            for r in rows}

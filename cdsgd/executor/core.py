@@ -306,6 +306,8 @@ class Executor:
         the last step is always evaluated.
         Evaluations fall on the steps k (counted from the very start, also
         after :meth:`load_state_dict`) with k % eval_every_steps == 0.
+        The rule learns the step the run ends at (k + the steps to run: a
+        ``cosine`` step size decays over it unless ``lr_decay_steps`` is given).
         ``callback(row)`` receives each metrics row as it is made, ``progress(k)``
         each step, ``after_step(k)`` each step after its evaluation (the place
         for checkpoints: the state then includes the row).
@@ -318,6 +320,8 @@ class Executor:
         every = self.steps_per_epoch if eval_every_steps is None else check_int("eval_every_steps", eval_every_steps)
         rows = []
         end = self.k + total
+        self.algorithm.bind(n_agents=self.n_agents, steps_per_epoch=self.steps_per_epoch, seed=self.seed,
+                            total_steps=end)  # the step the run ends at: a cosine step size's horizon
         alone = len(self.agents) == self.n_agents  # no other process: stop at the very step
         while self.k < end:
             self.step()

@@ -27,8 +27,8 @@ from .meters import ModelStats
 
 # Every function takes the executor ``ex`` (cdsgd.executor.Executor) that holds the agents.
 
-__all__ = ["CONTRACT_COLUMNS", "EVAL_AGENTS_AUTO", "Evaluator", "METRIC_COLUMNS", "average_params", "consensus_distance", "default_eval_agents", "eval_params",
-           "evaluate", "pick_agents"]
+__all__ = ["CONTRACT_COLUMNS", "EVAL_AGENTS_AUTO", "Evaluator", "METRIC_COLUMNS", "TEXT_COLUMNS", "average_params",
+           "consensus_distance", "default_eval_agents", "eval_params", "evaluate", "pick_agents", "text_figures"]
 
 #: the columns of the run-output contract, in order (model statistics follow: :data:`METRIC_COLUMNS`)
 CONTRACT_COLUMNS = (
@@ -45,9 +45,14 @@ CONTRACT_COLUMNS = (
     "test_loss_avg_model",  # added after the contract's first ten columns, so their places stay
 )
 
+#: a language model's figures, derived from the test losses (nats per token) of the agents and of x̄:
+#: bits per byte L / (ln 2 · bytes per token) and perplexity exp(L); NaN unless the test set is text
+#: (the :class:`Evaluator` was given ``bytes_per_token``). Next-token accuracy is ``test_accuracy``.
+TEXT_COLUMNS = ("test_bits_per_byte", "test_perplexity", "test_bits_per_byte_avg_model", "test_perplexity_avg_model")
+
 #: the columns of a metrics row: the contract's, then those the models' statistics hook provides
-#: (:class:`cdsgd.executor.meters.ModelStats`; NaN where no model reports them)
-METRIC_COLUMNS = CONTRACT_COLUMNS + ModelStats.columns()
+#: (:class:`cdsgd.executor.meters.ModelStats`; NaN where no model reports them), then :data:`TEXT_COLUMNS`
+METRIC_COLUMNS = CONTRACT_COLUMNS + ModelStats.columns() + TEXT_COLUMNS
 
 
 class Evaluator:
@@ -62,8 +67,12 @@ class Evaluator:
 
     def __init__(self, test_set: tuple[torch.Tensor, torch.Tensor] | None, n_agents: int, *,
                  eval_agents: int | None = None, eval_samples: int | None = None, eval_batch_size: int = 1024,
-                 seed: int = 0, device: torch.device | str | None = None) -> None:
+                 seed: int = 0, device: torch.device | str | None = None,
+                 bytes_per_token: float | None = None) -> None:
         self.eval_batch_size = check_int("eval_batch_size", eval_batch_size)
+        if bytes_per_token is not None and not (math.isfinite(bytes_per_token) and bytes_per_token > 0):
+            raise ValueError(f"bytes_per_token must be a positive number (None: not text), got {bytes_per_token!r}")
+        self.bytes_per_token = bytes_per_token  # text: the figures of TEXT_COLUMNS are reported
         if eval_agents is not None:
             check_int("eval_agents", eval_agents)
         if eval_samples is not None:
@@ -168,9 +177,31 @@ def eval_params(ex, flats: torch.Tensor, model_ids: list[int]) -> tuple[np.ndarr
         xb, yb = tx[start:start + size], ty[start:start + size]
         for i, o in enumerate(ex.gradients.outputs(flats, model_ids, xb)):
             loss_sum[i] += float(ex.loss_fn(o, yb)) * len(yb)
-            if o.dim() == 2 and yb.dim() == 1:
-                correct[i] += float((o.argmax(dim=1) == yb).sum())
+            if o.dim() == yb.dim() + 1 and not yb.is_floating_point():  # classes; for a sequence, every position
+                hits = (o.argmax(dim=-1) == yb).double()
+                correct[i] += float(hits.reshape(len(yb), -1).mean(dim=1).sum())
     return loss_sum / n, correct / n
+
+
+def text_figures(test_loss: float, test_loss_avg_model: float, bytes_per_token: float | None) -> dict:
+    """The :data:`TEXT_COLUMNS` of a row from its test losses L (nats per token): bits per byte
+    L / (ln 2 · bytes per token) and perplexity exp(L); NaN for all when ``bytes_per_token`` is None.
+
+        >>> text_figures(math.log(2), math.log(4), 1.0)["test_bits_per_byte_avg_model"]
+        2.0
+        >>> round(text_figures(1.0, 2.0, 1.0)["test_perplexity"], 4)
+        2.7183
+    """
+    if bytes_per_token is None:
+        return dict.fromkeys(TEXT_COLUMNS, math.nan)
+    per_byte = 1.0 / (math.log(2.0) * bytes_per_token)
+
+    def perplexity(loss: float) -> float:
+        return math.inf if loss > 709.0 else math.exp(loss)  # past exp's float range; NaN stays NaN
+
+    return {"test_bits_per_byte": test_loss * per_byte, "test_perplexity": perplexity(test_loss),
+            "test_bits_per_byte_avg_model": test_loss_avg_model * per_byte,
+            "test_perplexity_avg_model": perplexity(test_loss_avg_model)}
 
 
 def _held_figures(ex) -> torch.Tensor:
@@ -244,4 +275,5 @@ def evaluate(ex) -> tuple[dict, tuple[int, int, str] | None, float]:
         count = len(ex.evaluator.eval_agents)
         row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg,
                    test_loss_avg_model=loss_avg)
+    row.update(text_figures(row["test_loss"], row["test_loss_avg_model"], ex.evaluator.bytes_per_token))
     return row, diverged, across

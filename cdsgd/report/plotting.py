@@ -94,7 +94,10 @@ def _run_figure(folder):
         lax = axes[1 + timed]
         for (k, lab), (marker, line) in zip(losses, (("o", "-"), ("s", "-"), ("^", "--"))):
             lax.plot(ep, _column(rows, k), marker=marker, linestyle=line, label=lab)
-        lax.set_ylabel("loss")
+        text = np.isfinite(_column(rows, "test_bits_per_byte")).any()  # a language model: nats per token
+        if info.get("bigram_loss") is not None:  # the floor a model must beat to have learned beyond bytes' frequencies
+            lax.axhline(info["bigram_loss"], color="0.4", linestyle=":", label="bigram model (closed form)")
+        lax.set_ylabel("loss (nats/token)" if text else "loss")
         lax.legend(loc="best")
     dist = _column(rows, "consensus_distance")
     b.plot(ep, dist, marker="o", color="C2")
@@ -113,7 +116,8 @@ def _run_figure(folder):
 def plot_run(folder, out=None, formats=("png",), dpi: float = DPI) -> list[str]:
     """Curves of one run folder, saved as ``curves.png`` (and ``curves.pdf``/``.svg`` with ``formats``):
     test accuracy (agents' mean and the average model), training and test loss (when metrics.csv has
-    them; the average model's test loss too when it has ``test_loss_avg_model``) and consensus distance
+    them; the average model's test loss too when it has ``test_loss_avg_model``; a text run's in nats per
+    token, with its ``bigram_loss`` as a dotted level) and consensus distance
     against epochs, and with a simulated network (``sim_seconds``) the test accuracy against
     simulated seconds (a dotted level at ``target_accuracy`` when set); the title names the
     algorithm, topology, n, network, data set, model and seed (and the status of a run that did not

@@ -15,7 +15,7 @@ import numpy as np
 
 import topologies
 
-from .axes import bytes_axis, format_bytes_axis, format_seconds_axis, log_if_wide, whole_epochs
+from .axes import bytes_axis, bytes_text, format_bytes_axis, format_seconds_axis, log_if_wide, whole_epochs
 from .csvs import column, num, order, read_csv
 from .labels import series_label, status_note
 from .style import MARKERS, paper_style, panels, place_legend
@@ -78,8 +78,9 @@ def _figures(folder) -> dict:
     simulated = any(r.get("simulated_seconds") not in (None, "") for r in sweep.results)  # a network's clock ran
     targets = sorted({t for r in sweep.results if np.isfinite(t := num(r.get("target_accuracy")))})
     figures = {}
-    for curve in _curves(sweep)[:3 + simulated]:
-        figures[curve.name] = _curve_figure(sweep, curve, targets)
+    for curve in _curves(sweep):
+        if curve.xcol != "sim_seconds" or simulated:
+            figures[curve.name] = _curve_figure(sweep, curve, targets)
     for xcol, name, xlabel in (
         ("spectral_gap", "accuracy_vs_spectral_gap.png", "spectral gap 1 − λ₂"),
         ("effective_neighbours", "accuracy_vs_effective_neighbours.png",
@@ -250,16 +251,20 @@ class _Curve:
     def xlabel(self) -> str:
         """The x axis' label."""
         return {"epoch": "epoch", "wall_seconds": "training seconds (evaluation excluded)",
-                "sim_seconds": "simulated seconds"}[self.xcol]
+                "sim_seconds": "simulated seconds", "step": "step",
+                "bytes_sent_per_agent": "bytes sent per agent"}[self.xcol]
 
 
 def _curves(sweep: _Sweep) -> list[_Curve]:
-    """The curve figures, the one against simulated seconds last."""
+    """The curve figures (a text sweep's loss against steps and bytes first), the one against simulated seconds last."""
     # the average model's test loss beside the agents' when the runs recorded it
     losses = [("test_loss", "agents' own models (mean)")]
     if any("test_loss_avg_model" in (sweep.series(r["run"])[:1] or [{}])[0] for r in sweep.done):
         losses.append(("test_loss_avg_model", "average model x̄"))
-    return [
+    # a language model's (text runs report bits per byte): its loss against steps and against bytes sent
+    text = any(np.isfinite(num(r.get("test_bits_per_byte"))) for r in sweep.done)
+    return [_Curve(f"loss_vs_{x}.png", losses, "test loss (nats/token)", False, col)
+            for x, col in (("step", "step"), ("bytes", "bytes_sent_per_agent")) if text] + [
         _Curve("accuracy_vs_epoch.png", sweep.models, "test accuracy", False, "epoch"),
         _Curve("consensus_vs_epoch.png", [("consensus_distance", "")], "consensus distance", True, "epoch"),
         # time to a loss, the measure of Khomenko et al. (2016) for bucketing: training seconds (evaluation
@@ -339,6 +344,8 @@ def _curve_axes(axes, curve: _Curve) -> None:
                     whole_epochs(ax, np.concatenate([e for e, _ in curve.drawn]))
                 if curve.log:
                     log_if_wide(ax, np.concatenate([v.ravel() for _, v in curve.drawn]))
+            if curve.xcol == "bytes_sent_per_agent":
+                ax.xaxis.set_major_formatter(bytes_text)  # '200 kB', '1 MB'
             if curve.xcol == "sim_seconds" and not format_seconds_axis(ax, curve.ends.get(ax, [])):
                 ax.set_xlim(left=0)  # time to accuracy from the start: distances read as ratios
 

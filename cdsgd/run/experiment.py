@@ -32,6 +32,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import math
 import os
 import re
 import sys
@@ -233,6 +234,10 @@ def _announce(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, t
         + (f", checkpoint every {every} steps" if every else ""))
     for note in plan.notes:
         log(f"warning: {note}")
+    if parts.bigram_loss is not None:  # text: what a model must beat to have learned beyond byte frequencies
+        per_byte = parts.bigram_loss / (math.log(2) * parts.dataset.bytes_per_token)
+        log(f"bigram floor: a bigram model of the training text scores test_loss {parts.bigram_loss:.4f} nats/token "
+            f"({per_byte:.3f} bits/byte) on the validation text (summary.json bigram_loss)")
     for line in sim.algorithm.prepare(sim.mixer.at(sim.k), sim.X):  # e.g. CHOCO's consensus_step="auto"
         log(line)
     if sim.clock is not None:
@@ -282,9 +287,12 @@ class _Loop:
         self.rows.append(row)
         self.board.row(row)
         self.metrics.write(row)
+        text = math.isfinite(row.get("test_bits_per_byte", math.nan))  # a language model: its loss, in bits per byte
         self.shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
-                       f"test_acc {row['test_accuracy']:.4f}  avg_model_acc {row['test_accuracy_avg_model']:.4f}  "
-                       f"consensus {row['consensus_distance']:.3g}"
+                       + (f"test_bpb {row['test_bits_per_byte']:.4f}  avg_model_bpb {row['test_bits_per_byte_avg_model']:.4f}  "
+                          if text else f"test_acc {row['test_accuracy']:.4f}  "
+                          f"avg_model_acc {row['test_accuracy_avg_model']:.4f}  ")
+                       + f"consensus {row['consensus_distance']:.3g}"
                        + (f"  mgrit {row['mgrit_iters']:.1f} it, {row['mgrit_fallbacks']:.0f}/"
                           f"{row['mgrit_solves']:.0f} serial" if row.get("mgrit_solves", 0) > 0 else ""), row)
         hint = "" if self.hinted else eval_hint(self.cfg, self.sim)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,7 +44,8 @@ from ..algorithms import ALGORITHMS, Algorithm, algorithm_params, make_algorithm
 from ..algorithms.compression import COMPRESSORS
 from ..base.seeding import generator
 from ..config import Config, check_ranges, key_info
-from ..data import DATASETS, PARTITIONS, Dataset, load_dataset, partition, random_crop_flip, sequence_lengths
+from ..data import (DATASETS, PARTITIONS, Dataset, bigram_loss, load_dataset, partition, random_crop_flip,
+                    sequence_lengths)
 from ..network import NetworkSpec, network_spec
 from ..data.bucketing import BUCKET_RULES, BucketBatchSampler, BucketStream, bucket_boundaries
 from ..executor import AgentStack, DataFeed, Evaluator, Executor
@@ -116,6 +118,7 @@ class Parts:
     batch_stream: Callable | None = None
     steps_per_epoch: int | None = None
     bucket_boundaries: list | None = None
+    bigram_loss: float | None = None  # text: the closed-form bigram model's test loss (cdsgd.data.bigram_loss)
 
     @property
     def graph(self) -> nx.Graph:
@@ -344,20 +347,22 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _subset(x: torch.Tensor, y: torch.Tensor, k: int, seed: int, what: str):
-    if not k or k >= len(y):
-        return x, y
-    keep = torch.randperm(len(y), generator=generator(seed, what))[:k].sort().values
-    return x[keep], y[keep]
+def _subset(k: int, seed: int, what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same ``k`` rows (a seeded choice, kept in order) of each tensor; all of them when k is 0 or ≥ n."""
+    n = len(tensors[0])
+    if not k or k >= n:
+        return tensors
+    keep = torch.randperm(n, generator=generator(seed, what))[:k].sort().values
+    return tuple(t[keep] for t in tensors)
 
 
 def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
     """The data of a run, loaded and split among the agents, with the model factory (validating first if no plan)."""
     plan = plan if plan is not None else validate_config(cfg)
     ds = plan.data if plan.data is not None else load_config_dataset(cfg)
-    train_x, train_y = _subset(*ds.train, cfg.train_subset, cfg.seed, "train_subset")
-    test_x, test_y = _subset(*ds.test, cfg.test_subset, cfg.seed, "test_subset")
-    idx = partition(train_y.numpy(), cfg.n_agents, cfg.partition, seed=cfg.seed, alpha=cfg.dirichlet_alpha,
+    train_x, train_y, by = _subset(cfg.train_subset, cfg.seed, "train_subset", *ds.train, ds.partition_labels)
+    test_x, test_y = _subset(cfg.test_subset, cfg.seed, "test_subset", *ds.test)
+    idx = partition(by.numpy(), cfg.n_agents, cfg.partition, seed=cfg.seed, alpha=cfg.dirichlet_alpha,
                     min_size=cfg.min_shard_size)
     shards = [(train_x[torch.from_numpy(i)], train_y[torch.from_numpy(i)]) for i in idx]
 
@@ -370,8 +375,10 @@ def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
                 f"and order are lost); the sequence models are lstm, gru and pgru")
         if note not in plan.notes:
             plan.notes.append(note)
+    bigram = None if ds.bytes_per_token is None else bigram_loss(
+        dataclasses.replace(ds, train=(train_x, train_y), test=(test_x, test_y), groups=by))  # the run's own text
     return Parts(plan=plan, dataset=ds, shards=shards, test_set=(test_x, test_y), model_fn=model_fn,
-                 **_bucketed_streams(cfg, ds, shards))
+                 bigram_loss=bigram, **_bucketed_streams(cfg, ds, shards))
 
 
 def build_executor(cfg: Config, parts: Parts, group) -> Executor:
@@ -388,7 +395,7 @@ def build_executor(cfg: Config, parts: Parts, group) -> Executor:
                     steps_per_epoch=parts.steps_per_epoch)
     evaluator = Evaluator(parts.test_set, n, eval_agents=cfg.eval_agents or default_eval_agents(n),
                           eval_samples=cfg.eval_samples or None, eval_batch_size=cfg.eval_batch_size, seed=cfg.seed,
-                          device=stack.device)
+                          device=stack.device, bytes_per_token=parts.dataset.bytes_per_token)
     mixer = group.mixer(parts.W, exact=cfg.exact, n_agents=n)
     return executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
                                parts.plan.network, overlap=cfg.overlap)  # AsyncExecutor for adpsgd

@@ -17,7 +17,7 @@ from ..config import Config
 from ..executor import Executor
 from .plan import Parts
 
-__all__ = ["json_number", "summary_end", "summary_identity", "summary_start", "to_target", "versions"]
+__all__ = ["TARGETS", "json_number", "summary_end", "summary_identity", "summary_start", "to_target", "versions"]
 
 
 def json_number(v):
@@ -25,23 +25,35 @@ def json_number(v):
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
-def to_target(rows: list[dict], target: float) -> dict:
-    """The first evaluation whose ``test_accuracy`` reaches ``target``: its step, simulated and wall seconds.
+#: what a target is reached by: the metrics column, whether reaching means at least (or at most) the target,
+#: and the summary keys of the target, the steps, simulated and wall seconds to it
+TARGETS = {
+    "accuracy": ("test_accuracy", True,
+                 ("target_accuracy", "steps_to_target", "sim_seconds_to_target", "wall_seconds_to_target")),
+    "loss": ("test_loss", False,
+             ("target_loss", "steps_to_target_loss", "sim_seconds_to_target_loss", "wall_seconds_to_target_loss")),
+}
+
+
+def to_target(rows: list[dict], target: float, kind: str = "accuracy") -> dict:
+    """The first evaluation whose ``test_accuracy`` reaches ``target`` (kind ``"accuracy"``: at least it)
+    or whose ``test_loss`` does (kind ``"loss"``: at most it): its step, simulated and wall seconds.
 
     ``{"target_accuracy": target, "steps_to_target": ..., "sim_seconds_to_target": ...,
-    "wall_seconds_to_target": ...}``, the last three None when no row reaches it (or, for the
-    simulated seconds, when the run has no network).
+    "wall_seconds_to_target": ...}`` (for a loss: ``target_loss``, ``steps_to_target_loss``, ...), the last
+    three None when no row reaches it (or, for the simulated seconds, when the run has no network).
 
-    >>> to_target([{"step": 5, "test_accuracy": 0.7, "sim_seconds": 1.0, "wall_seconds": 0.1},
-    ...            {"step": 10, "test_accuracy": 0.85, "sim_seconds": 2.0, "wall_seconds": 0.2}], 0.8)["steps_to_target"]
-    10
+    >>> rows = [{"step": 5, "test_accuracy": 0.7, "test_loss": 2.0, "sim_seconds": 1.0, "wall_seconds": 0.1},
+    ...         {"step": 10, "test_accuracy": 0.85, "test_loss": 1.2, "sim_seconds": 2.0, "wall_seconds": 0.2}]
+    >>> to_target(rows, 0.8)["steps_to_target"], to_target(rows, 1.5, "loss")["steps_to_target_loss"]
+    (10, 10)
     """
-    hit = next((r for r in rows if r["test_accuracy"] >= target), None)
-    out = {"target_accuracy": target, "steps_to_target": None, "sim_seconds_to_target": None,
-           "wall_seconds_to_target": None}
+    column, at_least, (key, steps, sim, wall) = TARGETS[kind]
+    hit = next((r for r in rows if (r[column] >= target if at_least else r[column] <= target)), None)
+    out = {key: target, steps: None, sim: None, wall: None}
     if hit is not None:
-        out.update(steps_to_target=hit["step"], sim_seconds_to_target=json_number(hit.get("sim_seconds", float("nan"))),
-                   wall_seconds_to_target=hit["wall_seconds"])
+        out.update({steps: hit["step"], sim: json_number(hit.get("sim_seconds", float("nan"))),
+                    wall: hit["wall_seconds"]})
     return out
 
 
@@ -73,6 +85,7 @@ def summary_start(cfg: Config, sim: Executor, parts: Parts, out: Path, world: in
         "strategy": sim.strategy,
         "evaluated_agents": sim.eval_agents,
         "warnings": list(plan.notes),
+        **({} if parts.bigram_loss is None else {"bigram_loss": parts.bigram_loss}),  # text: the floor to beat
         **versions(),
     }
     return summary
@@ -89,6 +102,8 @@ def summary_end(summary: dict, cfg: Config, sim: Executor, rows: list[dict], sec
         summary["lost_messages"] = sim.clock.clock.lost_messages
     if cfg.target_accuracy:
         summary.update(to_target(rows, cfg.target_accuracy))
+    if cfg.target_loss:
+        summary.update(to_target(rows, cfg.target_loss, "loss"))
     summary["evaluations"] = len(rows)
     summary["train_seconds"] = sim.train_seconds
     summary["warmup_seconds"] = sim.warmup_seconds  # the first step of each process, not in train_seconds

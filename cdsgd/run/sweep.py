@@ -60,11 +60,13 @@ __all__ = ["SweepRun", "load_sweep", "run_sweep", "collect", "group_table", "gro
 
 #: the fixed columns of results.csv, after the sweep's varying keys: the run's summary.json values (empty
 #: where it has none: ``simulated_seconds`` without a network, the ``*_target`` ones without a
-#: ``target_accuracy`` or, but ``target_accuracy``, when the run never reached it), then its status and folder
+#: ``target_accuracy`` or, but ``target_accuracy``, when the run never reached it; likewise ``*_target_loss``
+#: and ``target_loss``; the text figures and ``bigram_loss`` but for text), then its status and folder
 RESULT_COLUMNS = ["seed", "spectral_gap", "effective_neighbours", "topology_draw", "epoch", "step", "train_loss",
                   "test_loss", "test_accuracy", "test_accuracy_avg_model", "test_loss_avg_model", "consensus_distance",
                   "bytes_sent_per_agent", "best_test_accuracy", "wall_seconds", "simulated_seconds", "target_accuracy", "steps_to_target",
-                  "sim_seconds_to_target", "status", "run"]
+                  "sim_seconds_to_target", "test_bits_per_byte", "test_bits_per_byte_avg_model", "bigram_loss",
+                  "target_loss", "steps_to_target_loss", "sim_seconds_to_target_loss", "status", "run"]
 
 
 def _same_run(folder: Path, identity: str) -> bool:
@@ -274,7 +276,7 @@ def group_keys(rows: list[dict]) -> list[str]:
     """The keys that group rows of results.csv into runs differing only by their seed: the sweep's varying
     keys, and ``target_accuracy`` when it differs between the rows (a config key kept among RESULT_COLUMNS)."""
     keys = [k for k in (rows[0] if rows else ()) if k not in RESULT_COLUMNS]
-    return keys + ["target_accuracy"] * (len({r.get("target_accuracy") for r in rows}) > 1)
+    return keys + [t for t in ("target_accuracy", "target_loss") if len({r.get(t) for r in rows}) > 1]
 
 
 def group_table(out: str | os.PathLike) -> str:
@@ -308,22 +310,32 @@ def group_table(out: str | os.PathLike) -> str:
         return f"{m:{fmt}}"
 
     def to_target(runs, col, fmt):
-        reached = [r for r in runs if r.get("steps_to_target") not in ("", None)]
+        reached = [r for r in runs if r.get("steps_to_target" + col.partition("_to_target")[2]) not in ("", None)]
         if not reached:
             return "not reached"
         return stat(reached, col, fmt) + (f" ({len(reached)}/{len(runs)} reached)" if len(reached) < len(runs) else "")
 
-    has = {c for c in ("simulated_seconds", "target_accuracy") if any(r.get(c) not in ("", None) for r in rows)}
-    targets = sorted({r["target_accuracy"] for r in rows if r.get("target_accuracy") not in ("", None)})
-    target = f"acc ≥ {targets[0]}" if len(targets) == 1 else "target"
+    has = {c for c in ("simulated_seconds", "target_accuracy", "target_loss", "test_bits_per_byte")
+           if any(r.get(c) not in ("", None) for r in rows)}
+
+    def target_name(key, what):
+        targets = sorted({r[key] for r in rows if r.get(key) not in ("", None)})
+        return f"{what} {targets[0]}" if len(targets) == 1 else key.replace("_", " ")
+
+    target, loss = target_name("target_accuracy", "acc ≥"), target_name("target_loss", "loss ≤")
     cols = [("test_accuracy", "test acc (agents)", ".3f"), ("test_accuracy_avg_model", "test acc (avg model)", ".3f"),
             ("consensus_distance", "consensus dist.", ".3g"), ("train_loss", "train loss", ".3f"),
             ("test_loss", "test loss", ".3f")]
+    cols += [("test_loss_avg_model", "test loss (avg model)", ".3f"), ("test_bits_per_byte", "bits/byte (agents)", ".3f"),
+             ("test_bits_per_byte_avg_model", "bits/byte (avg model)", ".3f"),
+             ("bigram_loss", "bigram loss", ".3f")] * ("test_bits_per_byte" in has)
     extra = [(c, head, fmt, cell) for c, head, fmt, cell, need in (
-        ("simulated_seconds", "simulated s", ".3g", stat, "simulated_seconds"),
-        ("steps_to_target", f"steps to {target}", ".0f", to_target, "target_accuracy"),
-        ("sim_seconds_to_target", f"simulated s to {target}", ".3g", to_target, "simulated_seconds"))
-        if need in has and ("target_accuracy" in has or "target" not in c)]
+        ("simulated_seconds", "simulated s", ".3g", stat, ("simulated_seconds",)),
+        ("steps_to_target", f"steps to {target}", ".0f", to_target, ("target_accuracy",)),
+        ("sim_seconds_to_target", f"simulated s to {target}", ".3g", to_target, ("simulated_seconds", "target_accuracy")),
+        ("steps_to_target_loss", f"steps to {loss}", ".0f", to_target, ("target_loss",)),
+        ("sim_seconds_to_target_loss", f"simulated s to {loss}", ".3g", to_target, ("simulated_seconds", "target_loss")))
+        if has.issuperset(need)]
     keys = [*varying, "status"] if stopped else varying
     head = [*keys, "seeds", "spectral gap", *(c[1] for c in cols), "MB sent/agent", *(e[1] for e in extra)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" :--- "] * len(keys) + [" ---: "] * (len(head) - len(keys))) + "|"]
