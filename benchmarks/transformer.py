@@ -6,7 +6,7 @@ Run::
     python benchmarks/transformer.py --quick      # N = 8, the small model, fewer steps (smoke test, < 60 s)
     python benchmarks/transformer.py --markdown   # the same table as Markdown
     python benchmarks/transformer.py --threads 1 --clock cpu   # 1 torch thread, CPU seconds (a shared machine)
-    python benchmarks/transformer.py --optimizer adamw   # AdamW agents against torch.optim.AdamW (issue 41's goal)
+    python benchmarks/transformer.py --optimizer adamw --loop-only   # AdamW agents against torch.optim.AdamW
 
 What is measured, for N agents and two sizes of ``cdsgd.models.build_model("gpt", (T,), 256, width=d,
 context=T)`` (2 layers, 4 heads; d = 64 with T = 64 tokens, d = 128 with T = 128) on random byte
@@ -68,6 +68,7 @@ from cdsgd.models import build_model  # noqa: E402
 LR, MOMENTUM = 0.01, 0.95
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 OPTIMIZER = "sgd"  # --optimizer
+STRATEGIES = ("loop", "vmap")  # --loop-only: ("loop",)
 VOCAB, SHARD, BATCH = 256, 32, 16
 REPEATS = 5
 #: (width, tokens per window), and the simulator steps per timed run (full, quick) for each
@@ -129,7 +130,7 @@ def bench(n: int, width: int, T: int, steps: int, log) -> dict:
 
     everyone = list(range(n))
     variants = {"limit": (single_step(model_fn, shards[0]), n * steps)}
-    for strategy in ("loop", "vmap"):
+    for strategy in STRATEGIES:
         sim = simulator(strategy)
         variants[strategy] = (sim.step, steps)
         variants[strategy + "_grad"] = (
@@ -137,13 +138,16 @@ def bench(n: int, width: int, T: int, steps: int, log) -> dict:
     auto = simulator("auto").strategy
     for v, (fn, calls) in variants.items():  # warm-up: one step each (N for the single model)
         timed(fn, n if v == "limit" else 1)
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    names = [v for v in VARIANTS if v in variants]
+    rates: dict[str, list[float]] = {v: [] for v in names}
     for r in range(REPEATS):
-        for v in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
+        for v in names[r % len(names):] + names[:r % len(names)]:
             fn, calls = variants[v]
             rates[v].append(n * steps / timed(fn, calls))
-        log(f"  repeat {r + 1}: " + ", ".join(f"{v} {rates[v][-1]:.1f}/s" for v in VARIANTS))
-    return {"N": n, "width": width, "T": T, "auto": auto, **{v: max(x) for v, x in rates.items()}}
+        log(f"  repeat {r + 1}: " + ", ".join(f"{v} {rates[v][-1]:.1f}/s" for v in names))
+    nan = float("nan")  # the vmap variants under --loop-only
+    return {"N": n, "width": width, "T": T, "auto": auto, **dict.fromkeys(VARIANTS, nan),
+            **{v: max(x) for v, x in rates.items()}}
 
 
 def table(results: list[dict], markdown: bool) -> str:
@@ -167,9 +171,11 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=sorted(CLOCK), default="wall", help="wall time or this process's CPU time")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="the agents' local optimizer, and the limit's (torch.optim.SGD or AdamW)")
+    parser.add_argument("--loop-only", action="store_true", help="time the loop strategy only (no vmap columns)")
     args = parser.parse_args(argv)
-    global clock, OPTIMIZER
+    global clock, OPTIMIZER, STRATEGIES
     clock, OPTIMIZER = CLOCK[args.clock], args.optimizer
+    STRATEGIES = ("loop",) if args.loop_only else STRATEGIES
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="There is a performance drop")  # said once, in the docstring

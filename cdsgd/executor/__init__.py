@@ -13,8 +13,8 @@ metrics rows) and the :class:`Meters` (:mod:`.meters`). :meth:`Executor.build`
 from .agents import INITS, AgentStack
 from .core import Diverged, Executor, Simulator
 from .door import SimulationResult, simulate
-from .evaluation import METRIC_COLUMNS, Evaluator
-from .gradients import STRATEGIES
+from .evaluation import METRIC_COLUMNS, TEXT_COLUMNS, Evaluator
+from .gradients import STRATEGIES, cross_entropy
 from .meters import Meters
 from .reducer import Reducer
 from .streams import AgentRNG, BatchStream, DataFeed
@@ -34,5 +34,7 @@ __all__ = [
     "STRATEGIES",
     "SimulationResult",
     "Simulator",
+    "TEXT_COLUMNS",
+    "cross_entropy",
     "simulate",
 ]

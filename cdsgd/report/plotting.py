@@ -52,12 +52,14 @@ def _run_title(folder, info: dict) -> str:
 
 
 def _accuracy_curves(ax, x, rows, target=None) -> None:
-    """The agents' mean and the average model's test accuracy against ``x``, and the target's level."""
+    """The agents' mean and the average model's test accuracy (a language model's next-token accuracy)
+    against ``x``, and the target's level."""
     ax.plot(x, _column(rows, "test_accuracy"), marker="o", label="agents' own models (mean)")
     ax.plot(x, _column(rows, "test_accuracy_avg_model"), marker="s", linestyle="--", label="average model x̄")
     if target:
         target_line(ax, [target])
-    ax.set_ylabel("test accuracy")
+    text = np.isfinite(_column(rows, "test_bits_per_byte")).any()
+    ax.set_ylabel("next-token accuracy" if text else "test accuracy")
     ax.legend(loc="best")
 
 
