@@ -51,14 +51,13 @@ def _run_title(folder, info: dict) -> str:
             f"seed {info.get('seed')}{status}\n{folder.name}")
 
 
-def _accuracy_curves(ax, x, rows, target=None) -> None:
-    """The agents' mean and the average model's test accuracy (a language model's next-token accuracy)
-    against ``x``, and the target's level."""
+def _accuracy_curves(ax, x, rows, target=None, *, text: bool = False) -> None:
+    """The agents' mean and the average model's test accuracy (``text``: a language model's next-token
+    accuracy) against ``x``, and the target's level."""
     ax.plot(x, _column(rows, "test_accuracy"), marker="o", label="agents' own models (mean)")
     ax.plot(x, _column(rows, "test_accuracy_avg_model"), marker="s", linestyle="--", label="average model x̄")
     if target:
         target_line(ax, [target])
-    text = np.isfinite(_column(rows, "test_bits_per_byte")).any()
     ax.set_ylabel("next-token accuracy" if text else "test accuracy")
     ax.legend(loc="best")
 
@@ -80,6 +79,7 @@ def _run_figure(folder):
     info = _run_info(folder)
     ep, sim = _column(rows, "epoch"), _column(rows, "sim_seconds")
     timed = bool(np.isfinite(sim).any())  # a simulated network: accuracy against its seconds too
+    text = bool(np.isfinite(_column(rows, "test_bits_per_byte")).any())  # a language model: nats per token
     losses = [(k, lab) for k, lab in (("train_loss", "training (batch loss, agents' mean)"),
                                       ("test_loss", "test (agents' own models, mean)"),
                                       ("test_loss_avg_model", "test (average model x̄)"))
@@ -88,15 +88,14 @@ def _run_figure(folder):
     fig, grid = panels(*((2, 2) if n == 4 else (1, n)))  # four panels in a square: a row of four prints too small
     axes = list(grid.flat)
     a, b = axes[0], axes[-1]
-    _accuracy_curves(a, ep, rows)
+    _accuracy_curves(a, ep, rows, text=text)
     if timed:
-        _accuracy_curves(axes[1], sim, rows, info.get("target_accuracy"))
+        _accuracy_curves(axes[1], sim, rows, info.get("target_accuracy"), text=text)
         axes[1].set_xlabel("simulated seconds")
     if losses:
         lax = axes[1 + timed]
         for (k, lab), (marker, line) in zip(losses, (("o", "-"), ("s", "-"), ("^", "--"))):
             lax.plot(ep, _column(rows, k), marker=marker, linestyle=line, label=lab)
-        text = np.isfinite(_column(rows, "test_bits_per_byte")).any()  # a language model: nats per token
         if info.get("bigram_loss") is not None:  # the floor a model must beat to have learned beyond bytes' frequencies
             lax.axhline(info["bigram_loss"], color="0.4", linestyle=":", label="bigram model (closed form)")
         lax.set_ylabel("loss (nats/token)" if text else "loss")

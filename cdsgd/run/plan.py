@@ -27,9 +27,9 @@ the loader returned and runs the model on two training inputs. See
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
