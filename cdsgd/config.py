@@ -33,7 +33,8 @@ from typing import Any, Sequence
 from topologies import unknown_name_error
 
 from .base.checks import (BETAS, EPS, FEDAVG_FRACTION, HYPER_DEFAULTS, LR, LR_GAMMA, LR_MIN, LR_POWER, LR_SCHEDULES,
-                          LR_TAU, MOMENTUM, OPTIMIZERS, WEIGHT_DECAY, Bounds, Choices, Numbers, check_choice)
+                          LR_TAU, MOMENTUM, OPTIMIZERS, OUTER_LR, OUTER_MIXINGS, WEIGHT_DECAY, Bounds, Choices, Numbers,
+                          check_choice)
 
 __all__ = ["ALGORITHMS_DEFAULT", "Config", "FAMILY_DEFAULTS", "IDENTITY_KEYS", "VOLATILE_KEYS", "check_ranges",
            "config_keys", "dump_config", "family_defaults", "hyper_key", "key", "key_info", "load_config",
@@ -93,7 +94,7 @@ class Config:
 
     # --- algorithm and executor
     algorithm: str = key("cdmsgd", "update rule: cdsgd | cdmsgd | dsgt | d2 | qg_dsgdm | sgp | choco | beer | "
-                         "relaysum | adpsgd | sgd | msgd | fedavg | local",
+                         "relaysum | adpsgd | sgd | msgd | fedavg | local | diloco | noloco",
                          registry="algorithm", identity=True)
     executor: str = key("sim", "sim: all agents in one process; torch: torchrun ranks, each holding "
                         "n_agents/ranks agents", choices=("sim", "torch"))
@@ -172,20 +173,37 @@ class Config:
                                     "x ← x − αλx, under optimizer=adamw", bounds=WEIGHT_DECAY)
     optimizer: str = hyper_key("optimizer", f"each agent's local optimizer, {OPTIMIZERS}: the rule's own SGD "
                                "(and momentum), or AdamW's direction m̂/(√v̂ + ε) + λx in place of the gradient "
-                               "(cdsgd, cdmsgd, dsgt, sgd, msgd, fedavg, local; momentum and nesterov unused: β1 "
-                               "is the momentum; docs/algorithms.md)", choices=OPTIMIZERS)
+                               "(cdsgd, cdmsgd, dsgt, sgd, msgd, fedavg, local, diloco, noloco; momentum and "
+                               "nesterov unused: β1 is the momentum; docs/algorithms.md); auto: the rule's default "
+                               "(adamw for diloco and noloco, sgd for the others)", choices=OPTIMIZERS)
     betas: list = hyper_key("betas", f"AdamW's (β1, β2), {BETAS}", bounds=BETAS)
     eps: float = hyper_key("eps", "AdamW's ε, added to √v̂", bounds=EPS)
     grad_clip: float = key(0.0, "largest norm of each agent's gradient: g_j scaled by min(1, c/‖g_j‖₂) (0: off)",
                            low=0, note=" (0 means off)")
-    local_steps: int = key(0, "fedavg: local steps per round (0: not given, use local_epochs)", low=0,
+    local_steps: int = key(0, "H: local steps per communication (0: not given: fedavg uses local_epochs, diloco "
+                           "and noloco 50, the others 1); periodic gossip for cdsgd, cdmsgd, qg_dsgdm, sgp (Π = I "
+                           "between communications); refused by the rules that must communicate every step", low=0,
                            note=" (0 means all/off)", unset=0, source=ALGORITHMS_DEFAULT + " (none, written 0)")
     local_epochs: int = hyper_key("local_epochs", "fedavg: local epochs per round", low=1,
                                   overridden_by="local_steps")
     fedavg_fraction: float = hyper_key("fedavg_fraction", "fedavg: fraction of agents sampled per round",
                                        bounds=FEDAVG_FRACTION)
-    # --- communication-constrained rules (docs/algorithms.md: choco, beer, relaysum)
-    compression: str = hyper_key("compression", "choco, beer: what each message is compressed with: none | top_k | "
+    # --- local steps and an outer optimizer (docs/algorithms.md: diloco, noloco)
+    outer_lr: float = hyper_key("outer_lr", "diloco, noloco: the outer step size η", bounds=OUTER_LR)
+    outer_momentum: float = hyper_key("outer_momentum", "diloco (Nesterov), noloco (heavy ball): the outer "
+                                      "momentum μ", bounds=MOMENTUM)
+    outer_mixing: str = hyper_key("outer_mixing", f"diloco: how pseudo-gradients are averaged, {OUTER_MIXINGS} "
+                                  "(allreduce: over every agent; graph: with the topology's W)", choices=OUTER_MIXINGS)
+    fragments: int = hyper_key("fragments", "diloco: F fragments of whole parameter tensors, synchronised in turn "
+                               "(Streaming DiLoCo)", low=1)
+    overlap_steps: int = hyper_key("overlap_steps", "diloco: τ inner steps a fragment's outer step overlaps before "
+                                   "it is applied (0: none, < local_steps)", low=0, note=" (0 means none)")
+    error_feedback: bool = hyper_key("error_feedback", "diloco with a compression: add each agent's residual of "
+                                     "what compression dropped to its next pseudo-gradient (SparseLoCo)")
+    group_size: int = hyper_key("group_size", "noloco: agents per random group each outer step (divides n_agents)",
+                                low=2)
+    # --- communication-constrained rules (docs/algorithms.md: choco, beer, relaysum, diloco)
+    compression: str = hyper_key("compression", "choco, beer, diloco: what each message is compressed with: none | top_k | "
                                  "random_k | sign | qsgd (docs/algorithms.md gives each one's bytes)",
                                  registry="compression", identity=True)
     compression_params: dict = hyper_key("compression_params", "compressor options, e.g. {ratio = 0.01} (top_k, "

@@ -265,7 +265,7 @@ def _optimizer(**h):
 
 BAD = [
     (lambda: make_algorithm("cdsgd", lr=0.1, optimizer="adam"),
-     r"^optimizer 'adam' is unknown; did you mean 'adamw'\? allowed: sgd, adamw$"),
+     r"^optimizer 'adam' is unknown; did you mean 'adamw'\? allowed: sgd, adamw, auto$"),
     (lambda: make_algorithm("cdsgd", lr=0.1, optimizer="adamw", betas=[1.0, 0.9]),
      r"^betas must be two numbers, each in \[0, 1\), got \[1\.0, 0\.9\]$"),
     (lambda: make_algorithm("cdsgd", lr=0.1, optimizer="adamw", betas=[0.9]),
@@ -274,7 +274,7 @@ BAD = [
     (lambda: make_algorithm("cdsgd", lr=0.1, optimizer="adamw", eps=0), r"^eps must be a finite number > 0, got 0$"),
     (lambda: make_algorithm("d2", lr=0.1, optimizer="adamw"),
      r"^algorithm 'd2' takes optimizer='sgd' only \(.*\); optimizer='adamw' is for cdsgd, cdmsgd, sgd, msgd, "
-     r"fedavg, local, dsgt$"),
+     r"fedavg, local, dsgt, diloco, noloco$"),
     *[(lambda name=name: make_algorithm(name, lr=0.1, optimizer="adamw"), rf"^algorithm '{name}' takes optimizer='sgd'")
       for name in ("qg_dsgdm", "sgp", "choco", "beer", "relaysum", "adpsgd")],
     (lambda: validate_config(load_config(overrides=["optimizer=adam"])), r"^optimizer 'adam' is unknown; did you mean"),

@@ -30,7 +30,9 @@ from cdsgd.run.experiment import run_experiment
 from cdsgd.run.plan import baseline_gap, prepare, validate_config
 
 BASELINES = ("sgd", "msgd", "fedavg", "local")
-NEIGHBOUR_RULES = tuple(name for name in ALGORITHMS if ALGORITHMS.get(name).traffic == "neighbours")
+#: the rules that gossip over the config's topology (noloco brings its own random groups: test_outer.py)
+NEIGHBOUR_RULES = tuple(name for name in ALGORITHMS if ALGORITHMS.get(name).traffic == "neighbours"
+                        and not getattr(ALGORITHMS.get(name), "needs_groups", False))
 SAMPLES, STEPS, LR, MU = 256, 12, 0.1, 0.9
 
 
@@ -140,7 +142,7 @@ def test_any_topology_is_accepted_by_the_baselines(monkeypatch, alg, overrides):
 @pytest.mark.parametrize("alg", NEIGHBOUR_RULES)
 @pytest.mark.parametrize("overrides,message", [
     (["n_agents=1"], r"^n_agents must be >= 2 with algorithm='\w+', which mixes over a graph "
-                     r"\(only sgd, msgd, fedavg, local run on 1 agent\), got 1$"),
+                     r"\(only sgd, msgd, fedavg, local, diloco run on 1 agent\), got 1$"),
     (["n_agents=2"], r"use 'path' for 2 nodes"),
     (["n_agents=2", "topology=torus"], r"torus"),
     (["n_agents=3", "topology=no/such/graph.edgelist"], r"no/such/graph.edgelist"),

@@ -35,7 +35,7 @@ BAD = [
     ("fedavg_fraction", 0.0, "fedavg", r"^fedavg_fraction must be in \(0, 1\], got 0\.0$"),
     ("lr_schedule", "cosin", "cdsgd",
      r"^lr_schedule 'cosin' is unknown; did you mean 'cosine'\? allowed: constant, diminishing, cosine, step$"),
-    ("optimizer", "adam", "cdsgd", r"^optimizer 'adam' is unknown; did you mean 'adamw'\? allowed: sgd, adamw$"),
+    ("optimizer", "adam", "cdsgd", r"^optimizer 'adam' is unknown; did you mean 'adamw'\? allowed: sgd, adamw, auto$"),
     ("eps", 0.0, "cdsgd", r"^eps must be a finite number > 0, got 0\.0$"),
     ("lr_gamma", 1.5, "cdsgd", r"^lr_gamma must be in \(0, 1\], got 1\.5$"),
 ]
@@ -149,11 +149,12 @@ def test_unknown_hyperparameter_is_checked_by_make_algorithm_alone():
     with pytest.raises(UnknownHyperparameter, match=r"^algorithm 'cdsgd' takes no hyperparameter 'momentum'; "
                                                     r"allowed: lr, lr_schedule, lr_tau, lr_power, lr_min, "
                                                     r"lr_decay_steps, lr_step_size, lr_gamma, lr_warmup, "
-                                                    r"weight_decay, optimizer, betas, eps$") as e:
+                                                    r"weight_decay, optimizer, betas, eps, local_steps$") as e:
         make_algorithm("cdsgd", lr=0.1, momentum=0.9)
     assert isinstance(e.value, ValueError) and (e.value.algorithm, e.value.name) == ("cdsgd", "momentum")
     with pytest.raises(ValueError, match=r"^unknown option 'batchsize': not a Simulator option \(.*batch_size.*\) "
-                                         r"nor a hyperparameter of algorithm 'sgd' \(lr, .*weight_decay, optimizer, betas, eps\)$") as e:
+                                         r"nor a hyperparameter of algorithm 'sgd' "
+                                         r"\(lr, .*weight_decay, optimizer, betas, eps, local_steps\)$") as e:
         Simulator(lambda: nn.Linear(D, C), _shards(), None, "sgd", lr=0.1, batchsize=4)
     assert isinstance(e.value.__context__, UnknownHyperparameter)  # make_algorithm's refusal, reworded
     with pytest.raises(ValueError, match=r"hyperparameters \['lr'\] given with a ready Algorithm"):

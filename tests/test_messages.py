@@ -235,7 +235,7 @@ def test_run_config_refuses_what_the_rules_cannot_use_and_notes_what_they_ignore
     from cdsgd.run.plan import validate_config
 
     with pytest.raises(ValueError, match=r"compression='top_k' needs an algorithm that sends compressed messages "
-                                         r"\(choco, beer\); algorithm='cdmsgd' sends full vectors"):
+                                         r"\(choco, beer, diloco\); algorithm='cdmsgd' sends full vectors"):
         validate_config(load_config(overrides=["compression=top_k"]))
     with pytest.raises(ValueError, match="compression_params"):
         validate_config(load_config(overrides=["compression_params.ratio=0.1"]))

@@ -16,6 +16,10 @@ Schedules (``topologies.schedule(name, n, **params)``):
     When n is a power of two the product over a period is exactly 11ᵀ/n:
     exact average after log₂ n steps (tested). Otherwise it is not:
     :meth:`Schedule.consensus_rate` says how far (0.22 for n = 6, 0.21 for n = 12).
+``random_groups``  NoLoCo's peer groups (Kolehmainen et al. 2025): at step
+    k a uniformly random partition drawn from (``seed``, k) splits the agents
+    into groups of ``group_size`` (which must divide n); each group averages,
+    weight 1/group_size. ``period`` (default 100) steps, then it repeats.
 ``random_matching``  gossip with one random peer per step: at step k a
     uniformly random matching drawn from (``seed``, k) pairs the agents
     (one sits out when n is odd); each pair averages, weight ½. Symmetric.
@@ -220,3 +224,23 @@ def random_matching(n: int, seed: int = 0, period: int = 100):
         return _pairs(n, np.concatenate([a, b]), np.concatenate([b, a]))
 
     return period, step
+
+
+@SCHEDULES.register("random_groups")
+def random_groups(n: int, group_size: int = 2, seed: int = 0, period: int = 100):
+    """A random partition into groups of ``group_size`` per step, drawn from (seed, k); each group averages
+    (weight 1/group_size). NoLoCo's peer groups (Kolehmainen et al. 2025). Period ``period``."""
+    for name, value, low in (("group_size", group_size, 2), ("seed", seed, 0), ("period", period, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"random_groups: {name} must be an integer >= {low}, got {value!r}")
+    if n % group_size:
+        raise ValueError(f"random_groups: group_size={group_size} must divide the {n} agents "
+                         f"(allowed: {', '.join(str(g) for g in range(2, n + 1) if n % g == 0)})")
+
+    def step(k: int):
+        groups = np.random.default_rng([seed, k]).permutation(n).reshape(-1, group_size)
+        rows = np.repeat(groups, group_size, axis=1).ravel()
+        cols = np.tile(groups, (1, group_size)).ravel()
+        return rows, cols, np.full(len(rows), 1.0 / group_size)
+
+    return int(period), step

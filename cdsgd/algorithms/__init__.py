@@ -9,7 +9,8 @@ tracking, D², quasi-global momentum), :mod:`cdsgd.algorithms.pushsum`
 (Stochastic Gradient Push on directed graphs) and :mod:`cdsgd.algorithms.messages`
 (CHOCO-SGD's compressed gossip, with the operators of
 :mod:`cdsgd.algorithms.compression`, and RelaySum on a spanning tree) and
-:mod:`cdsgd.algorithms.adpsgd` (asynchronous pairwise gossip, run event by event). Every rule
+:mod:`cdsgd.algorithms.adpsgd` (asynchronous pairwise gossip, run event by event) and :mod:`cdsgd.algorithms.outer` (local steps and an
+outer optimizer: DiLoCo, Streaming DiLoCo's fragments, NoLoCo). Every rule
 takes its step sizes from :mod:`cdsgd.algorithms.step_sizes` and, where one is defined, an AdamW
 local optimizer from :mod:`cdsgd.algorithms.local_optim` (``optimizer="adamw"``).
 """
@@ -21,6 +22,7 @@ from .optim import CDMSGD, CDSGD, DecentralizedOptimizer
 from .pushsum import SGPAlgorithm
 from .messages import BeerAlgorithm, ChocoAlgorithm, RelaySumAlgorithm
 from .adpsgd import ADPSGDAlgorithm, is_asynchronous
+from .outer import DiLoCoAlgorithm, NoLoCoAlgorithm
 from .compression import COMPRESSORS, Compressor, make_compressor
 from .factory import algorithm_params, make_algorithm
 from .local_optim import AdamW, adamw_direction
@@ -38,11 +40,13 @@ __all__ = [
     "CDMSGD",
     "CDSGD",
     "D2Algorithm",
+    "DiLoCoAlgorithm",
     "DSGTAlgorithm",
     "DecentralizedOptimizer",
     "FedAvgAlgorithm",
     "LocalAlgorithm",
     "MSGDAlgorithm",
+    "NoLoCoAlgorithm",
     "QGDSGDmAlgorithm",
     "RelaySumAlgorithm",
     "SGDAlgorithm",

@@ -58,6 +58,7 @@ class ADPSGDAlgorithm(_LocalMomentum, Algorithm):
     """AD-PSGD (module docstring): one pairwise average and one local step per gradient, no waiting."""
 
     name, traffic = "adpsgd", "neighbours"
+    why_not_periodic = "it is asynchronous: every event is one pairwise exchange"
     #: runs in :class:`cdsgd.executor.asynchronous.AsyncExecutor`, one gradient application at a time
     asynchronous: ClassVar[bool] = True
     #: a lost exchange is not simulated: networks with ``drop`` or ``link_failure`` are refused

@@ -49,6 +49,7 @@ __all__ = ["FedAvgAlgorithm", "LocalAlgorithm", "MSGDAlgorithm", "SGDAlgorithm"]
 @ALGORITHMS.register("sgd")
 class SGDAlgorithm(Algorithm):
     name, traffic, same_init, takes_adamw = "sgd", "allreduce", True, True
+    why_not_periodic = "it all-reduces gradients on every step; local steps between averages are fedavg or diloco"
 
     def _step(self, X, G, state, *, k, mixer, mixed):
         G = mixer.average(G, out=self._scratch(X, "average"))
@@ -58,6 +59,7 @@ class SGDAlgorithm(Algorithm):
 @ALGORITHMS.register("msgd")
 class MSGDAlgorithm(_MomentumMixin, Algorithm):
     name, traffic, same_init, takes_adamw = "msgd", "allreduce", True, True
+    why_not_periodic = SGDAlgorithm.why_not_periodic
 
     def _step(self, X, G, state, *, k, mixer, mixed):
         G = mixer.average(G, out=self._scratch(X, "average"))
@@ -86,6 +88,9 @@ class FedAvgAlgorithm(Algorithm):
     def round_length(self) -> int:
         return self.local_steps if self.local_steps is not None else self.local_epochs * self.steps_per_epoch
 
+    def communicates(self, k: int) -> bool:
+        return (k + 1) % self.round_length == 0
+
     def participants(self, k: int) -> torch.Tensor | None:
         if self.fraction == 1.0:
             return None
@@ -105,7 +110,7 @@ class FedAvgAlgorithm(Algorithm):
         else:  # agents sitting the round out keep their parameters (and their AdamW moments)
             D = self._local(G, X, state, rows=mask[mixer.agents])
             X.copy_(torch.where(_rows(mask[mixer.agents], X), X - self.step_size(k) * D, X))
-        if (k + 1) % self.round_length == 0:
+        if self.communicates(k):
             X.copy_(mixer.average(X, mask, out=self._scratch(X, "average")))
         return X
 
@@ -118,6 +123,7 @@ def _rows(mask: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 @ALGORITHMS.register("local")
 class LocalAlgorithm(_MomentumMixin, Algorithm):
     name, traffic, takes_adamw = "local", "none", True
+    why_not_periodic = "it never communicates: every step is local"
 
     def _step(self, X, G, state, *, k, mixer, mixed):
         if self.momentum and self.adam is None:

@@ -111,6 +111,7 @@ class DSGTAlgorithm(_LocalMomentum, Algorithm):
     """Gradient tracking (module docstring): two vectors per step, both posted before the backward pass."""
 
     name, traffic, mixes_params, vectors_per_step, takes_adamw = "dsgt", "neighbours", True, 2, True
+    why_not_periodic = "its tracker is mixed a step late, with the previous step's W"
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"tracker": torch.zeros_like(X), "previous_gradient": torch.zeros_like(X), **self._momentum_state(X)}
@@ -142,6 +143,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
     """D² / exact diffusion (module docstring): one vector per step, after the gradient."""
 
     name, traffic = "d2", "neighbours"
+    why_not_periodic = "its correction x^k − x^{k−1} assumes one W on consecutive steps"
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"previous_params": X.detach().clone(), "previous_update": torch.zeros_like(X),
@@ -177,7 +179,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
 class QGDSGDmAlgorithm(_MomentumMixin, Algorithm):
     """Quasi-global momentum (module docstring): one vector per step, after the gradient."""
 
-    name, traffic = "qg_dsgdm", "neighbours"
+    name, traffic, periodic = "qg_dsgdm", "neighbours", True
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"momentum": torch.zeros_like(X), "direction": torch.zeros_like(X), "half_step": torch.zeros_like(X)}

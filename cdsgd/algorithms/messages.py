@@ -102,34 +102,40 @@ TUNE_SLACK = 1.5
 TUNE_MARGIN = 2.0
 
 
-def _seeds(seed: int, agents, k: int, purpose: str = "compression") -> list[int]:
+def seeds_for(seed: int, agents, k: int, purpose: str = "compression") -> list[int]:
+    """The seeds of the held agents' step-k messages: (seed, purpose, j, k) for each agent j."""
     return [derive_seed(seed, purpose, int(j), int(k)) for j in agents]
+
+
+def compressed_mix(mixer, compressor: Compressor, V: torch.Tensor, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send q_j = C(v_j) (row j of the L×P stack V, seeded by ``seeds[j]``) to every neighbour; returns
+    (q, W q): the held agents' own decoded messages and each one's weighted sum Σ_l w_jl q_l of what it holds.
+
+    Every message goes through ``mixer.exchange`` (its bytes are counted
+    there). A mixer that holds every agent (the simulator) received the very
+    bytes its agents sent, so the received q_l are the senders' decoded rows
+    (the same floats: decoding is deterministic) and are not decoded again;
+    its fast mode adds them up by the mixer's product W q.
+    """
+    table = edge_table(mixer)
+    P = V.shape[1]
+    payload = compressor.encode(V, seeds)  # L×B bytes: one message per agent, the same to each neighbour
+    received = mixer.exchange(payload.index_select(0, table.senders(payload.device))).wait()  # E×B
+    q_self = compressor.decode(payload, P, V.dtype)
+    exact, alone = getattr(mixer, "exact", False), len(mixer.agents) == mixer.n_agents
+    if alone and not exact and hasattr(mixer, "product"):
+        return q_self, mixer.product(q_self, torch.empty_like(q_self))
+    q_recv = (q_self.index_select(0, table.sources(q_self.device)) if alone
+              else compressor.decode(received, P, V.dtype))
+    return q_self, table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=exact)
 
 
 def _compressed_gossip(mixer, compressor: Compressor, target: torch.Tensor, public: torch.Tensor,
                        mixed: torch.Tensor, seeds: list[int]) -> None:
-    """Send q_j = C(target_j − x̂_j) to every neighbour; x̂ += q (the public copies), s += W q (their mixed sum).
-
-    Every message goes through ``mixer.exchange``. A mixer that holds every
-    agent (the simulator) received the very bytes its agents sent, so the
-    received q_l are the senders' decoded rows (the same floats: decoding is
-    deterministic) and are not decoded again; its fast mode adds them up by
-    the mixer's product W q.
-    """
-    table = edge_table(mixer)
+    """Send q_j = C(target_j − x̂_j) to every neighbour; x̂ += q (the public copies), s += W q (their mixed sum)."""
     L = len(seeds)
-    T2, public2, mixed2 = target.view(L, -1), public.view(L, -1), mixed.view(L, -1)
-    P = T2.shape[1]
-    payload = compressor.encode(T2 - public2, seeds)  # L×B bytes: one message per agent, the same to each neighbour
-    received = mixer.exchange(payload.index_select(0, table.senders(payload.device))).wait()  # E×B
-    q_self = compressor.decode(payload, P, target.dtype)
-    exact, alone = getattr(mixer, "exact", False), len(mixer.agents) == mixer.n_agents
-    if alone and not exact and hasattr(mixer, "product"):
-        Wq = mixer.product(q_self, torch.empty_like(q_self))
-    else:
-        q_recv = (q_self.index_select(0, table.sources(q_self.device)) if alone
-                  else compressor.decode(received, P, target.dtype))
-        Wq = table.weighted_sum(q_self, q_recv, torch.empty_like(q_self), exact=exact)
+    public2, mixed2 = public.view(L, -1), mixed.view(L, -1)
+    q_self, Wq = compressed_mix(mixer, compressor, target.view(L, -1) - public2, seeds)
     public2.add_(q_self)
     mixed2.add_(Wq)
 
@@ -174,7 +180,7 @@ def tune_consensus_step(W, compressor: Compressor, numel: int, *, seed: int = 0,
     for gamma in CONSENSUS_STEPS:
         X, Xhat, S = X0.clone(), torch.zeros_like(X0), torch.zeros_like(X0)
         for k in range(steps):
-            _choco_gossip(mixer, compressor, X, Xhat, S, gamma, _seeds(seed, range(n), k))
+            _choco_gossip(mixer, compressor, X, Xhat, S, gamma, seeds_for(seed, range(n), k))
         err = float(((X - X.mean(0)) ** 2).sum()) / start
         scores[gamma] = err if np.isfinite(err) else float("inf")
     best = min(scores.values())
@@ -196,6 +202,7 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
     """CHOCO-SGD (module docstring): one compressed message per agent per step, sent to every neighbour."""
 
     name, traffic = "choco", "neighbours"
+    why_not_periodic = "no reference defines compressed gossip with local steps"
     #: every agent keeps its neighbours' public copies in step: a lost compressed message would split them
     lost_message = None
 
@@ -252,7 +259,7 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
         D = _direction(G, state, self.momentum, self.nesterov)
         X.add_(D, alpha=-self.step_size(k))  # x^{k+½}
         _choco_gossip(mixer, self.compressor, X, state["public"], state["public_mixed"], self.gamma,
-                      _seeds(self.seed, mixer.agents, k))
+                      seeds_for(self.seed, mixer.agents, k))
         return X
 
 
@@ -261,6 +268,7 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
     """RelaySGD (module docstring): a different message to each tree neighbour per step."""
 
     name, traffic = "relaysum", "neighbours"
+    why_not_periodic = "its relayed sums assume a message on every step"
     #: the rule runs on a spanning tree of the topology (the run builds it: ``topologies.spanning_tree``)
     needs_tree = True
 
@@ -335,9 +343,9 @@ class BeerAlgorithm(ChocoAlgorithm):
         V.add_(state["tracker_mixed"] - state["tracker_public"], alpha=self.gamma).add_(G).sub_(G_prev)  # v^k
         G_prev.copy_(G)
         _compressed_gossip(mixer, self.compressor, V, state["tracker_public"], state["tracker_mixed"],
-                           _seeds(self.seed, mixer.agents, k, "compression-tracker"))  # ĝ^k
+                           seeds_for(self.seed, mixer.agents, k, "compression-tracker"))  # ĝ^k
         D = _direction(V, state, self.momentum, self.nesterov)
         X.add_(state["public_mixed"] - state["public"], alpha=self.gamma).add_(D, alpha=-self.step_size(k))
         _compressed_gossip(mixer, self.compressor, X, state["public"], state["public_mixed"],
-                           _seeds(self.seed, mixer.agents, k))  # ĥ^{k+1}
+                           seeds_for(self.seed, mixer.agents, k))  # ĥ^{k+1}
         return X

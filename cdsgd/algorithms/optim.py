@@ -189,7 +189,7 @@ class _ConsensusOptimizer(_FlatOptimizer):
             for p in group["params"]:
                 mixed = next(views)
                 g = torch.zeros_like(p) if p.grad is None else p.grad
-                if group["optimizer"] == "sgd":  # adamw: decoupled, in its direction
+                if group["optimizer"] != "adamw":  # sgd (auto: sgd here); adamw: decoupled, in its direction
                     g = with_weight_decay(g, p, group["weight_decay"])
                 self._update(p, mixed, g, group)
         return loss
@@ -398,7 +398,7 @@ class DecentralizedOptimizer(_FlatOptimizer):
         """Start the exchanges that need only the current state (rules with ``mixes_params``)."""
         flatten(self._params(), out=self._X[0])
         if self.algorithm.mixes_params:
-            self._handle = self.algorithm.start(self._X, self.rule_state, self.mixer.at(self.k))
+            self._handle = self.algorithm.start(self._X, self.rule_state, self.algorithm.step_mixer(self.mixer, self.k))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):
@@ -416,7 +416,7 @@ class DecentralizedOptimizer(_FlatOptimizer):
             self.post()
         flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in params], out=self._G[0])
         handle, self._handle = self._handle, None
-        self.algorithm.update(self._X, self._G, self.rule_state, k=self.k, mixer=self.mixer.at(self.k), mixed=handle)
+        self.algorithm.update(self._X, self._G, self.rule_state, k=self.k, mixer=self.algorithm.step_mixer(self.mixer, self.k), mixed=handle)
         for p, new in zip(params, unflatten(self._X[0], [p.shape for p in params])):
             p.copy_(new)
         self.k += 1

@@ -59,7 +59,7 @@ __all__ = ["SGPAlgorithm"]
 class SGPAlgorithm(_LocalMomentum, Algorithm):
     """Stochastic Gradient Push (module docstring): a vector and a scalar per out-neighbour per step."""
 
-    name, traffic, lost_message = "sgp", "neighbours", "lost"
+    name, traffic, lost_message, periodic = "sgp", "neighbours", "lost", True
     column_stochastic = True
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:

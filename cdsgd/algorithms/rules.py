@@ -49,7 +49,7 @@ Example (two agents, one parameter each, zero gradients: one step is Π X)::
     >>> make_algorithm("d2", lr=0.1, optimizer="adamw")
     Traceback (most recent call last):
     ...
-    ValueError: algorithm 'd2' takes optimizer='sgd' only (no reference defines its form with Adam); optimizer='adamw' is for cdsgd, cdmsgd, sgd, msgd, fedavg, local, dsgt
+    ValueError: algorithm 'd2' takes optimizer='sgd' only (no reference defines its form with Adam); optimizer='adamw' is for cdsgd, cdmsgd, sgd, msgd, fedavg, local, dsgt, diloco, noloco
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ import torch
 
 from topologies import TOL, Registry, validate
 
-from ..base.checks import HYPER_DEFAULTS, check_momentum, check_nesterov, check_weight_decay
+from ..base.checks import HYPER_DEFAULTS, check_int, check_momentum, check_nesterov, check_weight_decay
 from ..base.flat import kept
-from ..mixers import Handle, Mixer, is_schedule, is_sparse
+from ..mixers import Handle, LocalStepMixer, Mixer, is_schedule, is_sparse
 from .local_optim import local_optimizer
 from .step_sizes import StepSize
 
@@ -140,6 +140,8 @@ def momentum_update(
 # the algorithms, as executors see them
 
 ALGORITHMS: Registry[type["Algorithm"]] = Registry("algorithm")
+#: the rules whose own rounds of local steps are not periodic gossip (they average at a round's end)
+LOCAL_STEP_RULES = ("fedavg", "diloco", "noloco")
 
 
 class Algorithm:
@@ -182,8 +184,17 @@ class Algorithm:
     lost_message: ClassVar[str | None] = "own"
     #: the rule takes ``optimizer="adamw"`` (docs/algorithms.md gives each one's form and its reference)
     takes_adamw: ClassVar[bool] = False
+    #: what ``optimizer="auto"`` (the default) means for the rule
+    default_optimizer: ClassVar[str] = "sgd"
+    #: ``local_steps`` H > 1 is defined for the rule as periodic gossip: Π = I (no message) on every step but
+    #: each H-th (Koloskova et al., ICML 2020); a rule with memory of earlier mixings refuses it
+    periodic: ClassVar[bool] = False
+    #: why a rule that is not ``periodic`` refuses local steps (its refusal says it)
+    why_not_periodic: ClassVar[str] = "it communicates on every step"
     #: the root of the rule's random streams (:meth:`bind` sets the run's; 0 until then)
     seed: int = 0
+    #: the model's parameter tensors' sizes in flat order (:meth:`bind`; None until then)
+    tensor_sizes: list[int] | None = None
 
     def __init__(self, *, lr: float, lr_schedule: str = HYPER_DEFAULTS["lr_schedule"],
                  lr_tau: float = HYPER_DEFAULTS["lr_tau"], lr_power: float = HYPER_DEFAULTS["lr_power"],
@@ -191,10 +202,17 @@ class Algorithm:
                  lr_step_size: int = HYPER_DEFAULTS["lr_step_size"], lr_gamma: float = HYPER_DEFAULTS["lr_gamma"],
                  lr_warmup: int = HYPER_DEFAULTS["lr_warmup"], weight_decay: float = HYPER_DEFAULTS["weight_decay"],
                  optimizer: str = HYPER_DEFAULTS["optimizer"], betas=HYPER_DEFAULTS["betas"],
-                 eps: float = HYPER_DEFAULTS["eps"]) -> None:
+                 eps: float = HYPER_DEFAULTS["eps"], local_steps: int | None = HYPER_DEFAULTS["local_steps"]) -> None:
+        self.local_steps = 1 if local_steps is None else check_int("local_steps", local_steps, 1)
+        if self.local_steps > 1 and not self.periodic:
+            takers = ", ".join(n for n in ALGORITHMS if ALGORITHMS.get(n).periodic or n in LOCAL_STEP_RULES)
+            raise ValueError(f"local_steps={self.local_steps}: algorithm {self.name!r} takes local_steps=1 only "
+                             f"({self.why_not_periodic}); local steps are for {takers}")
         self.step_size = StepSize(lr, lr_schedule, tau=lr_tau, power=lr_power, lr_min=lr_min,
                                   decay_steps=lr_decay_steps, step_size=lr_step_size, gamma=lr_gamma, warmup=lr_warmup)
         self.weight_decay = check_weight_decay(weight_decay)
+        if optimizer == "auto":
+            optimizer = self.default_optimizer
         #: the local optimizer's transform: None for ``"sgd"``, an :class:`~.local_optim.AdamW` for ``"adamw"``
         self.adam = local_optimizer(optimizer, betas=betas, eps=eps)
         self.optimizer = optimizer
@@ -203,10 +221,14 @@ class Algorithm:
             raise ValueError(f"algorithm {self.name!r} takes optimizer='sgd' only (no reference defines its form "
                              f"with Adam); optimizer='adamw' is for {takers}")
 
-    def bind(self, *, n_agents: int, steps_per_epoch: int, seed: int, total_steps: int | None = None) -> "Algorithm":
+    def bind(self, *, n_agents: int, steps_per_epoch: int, seed: int, total_steps: int | None = None,
+             tensor_sizes: list[int] | None = None) -> "Algorithm":
         """Tell the rule the system it runs in (FedAvg needs it) and, when known, the step at which the run
-        ends (``total_steps``: a cosine step size's horizon unless ``lr_decay_steps`` is given). Returns self."""
+        ends (``total_steps``: a cosine step size's horizon unless ``lr_decay_steps`` is given) and the sizes
+        of the model's parameter tensors in flat order (``tensor_sizes``: Streaming DiLoCo's fragments). Returns self."""
         self.n_agents, self.steps_per_epoch, self.seed = n_agents, steps_per_epoch, seed
+        if tensor_sizes is not None:
+            self.tensor_sizes = [int(s) for s in tensor_sizes]
         if total_steps is not None:
             self.step_size.total_steps = total_steps
         return self
@@ -291,6 +313,23 @@ class Algorithm:
         ``mixer`` is step k's (``mixer.at(k)``)."""
         return mixer.start(X, out=self._scratch(X, "mixed"))
 
+    def communicates(self, k: int) -> bool:
+        """Whether step k sends anything: every step, or with ``local_steps`` H every H-th ((k + 1) % H == 0)."""
+        return (k + 1) % self.local_steps == 0
+
+    def step_mixer(self, mixer: Mixer, k: int) -> Mixer:
+        """The mixer of step k: W_k (``mixer.at(k)``), or, between the communications of periodic gossip
+        (``local_steps`` > 1), Π = I: a :class:`~cdsgd.mixers.LocalStepMixer` that sends nothing."""
+        mixer = mixer.at(k)
+        if self.local_steps == 1 or not self.periodic or self.communicates(k):
+            return mixer
+        return mixer if isinstance(mixer, LocalStepMixer) else LocalStepMixer(mixer)
+
+    def message_delay(self, k: int) -> int:
+        """How many further steps the messages sent at step k may take to arrive (0: before step k + 1 starts;
+        Streaming DiLoCo's overlapped fragments: ``overlap_steps``). The simulated clock waits for them then."""
+        return 0
+
     def update(self, X: torch.Tensor, G: torch.Tensor, state: dict, *, k: int, mixer: Mixer | None,
                mixed: Handle | torch.Tensor | None = None) -> torch.Tensor:
         """Step k: X (overwritten and returned) from the gradients G at X and the rule's ``state``.
@@ -301,7 +340,7 @@ class Algorithm:
         exchange was posted before the backward pass. The matrix was checked
         where rule and mixer met (:meth:`init_state`), not here.
         """
-        mixer = None if mixer is None else mixer.at(k)
+        mixer = None if mixer is None else self.step_mixer(mixer, k)
         if self.adam is None:  # sgd: the L2 term in g; adamw: decoupled, in the direction (:meth:`_local`)
             decayed = self._scratch(X, "decayed") if self.weight_decay else None
             G = with_weight_decay(G, X, self.weight_decay, out=decayed)
@@ -363,7 +402,7 @@ class _MomentumMixin:
 
 @ALGORITHMS.register("cdsgd")
 class CDSGDAlgorithm(Algorithm):
-    name, traffic, mixes_params, takes_adamw = "cdsgd", "neighbours", True, True
+    name, traffic, mixes_params, takes_adamw, periodic = "cdsgd", "neighbours", True, True, True
 
     def _step(self, X, G, state, *, k, mixer, mixed):
         return cdsgd_update(self._mixed(X, mixer, mixed), self._local(G, X, state), self.step_size(k), out=X)
@@ -371,7 +410,7 @@ class CDSGDAlgorithm(Algorithm):
 
 @ALGORITHMS.register("cdmsgd")
 class CDMSGDAlgorithm(_MomentumMixin, Algorithm):
-    name, traffic, mixes_params, takes_adamw = "cdmsgd", "neighbours", True, True
+    name, traffic, mixes_params, takes_adamw, periodic = "cdmsgd", "neighbours", True, True, True
 
     def _step(self, X, G, state, *, k, mixer, mixed):
         mixed = self._mixed(X, mixer, mixed)

@@ -29,7 +29,7 @@ refuse a bad value with one message::
     >>> OPTIMIZERS.check("optimizer", "adam")
     Traceback (most recent call last):
     ...
-    ValueError: optimizer 'adam' is unknown; did you mean 'adamw'? allowed: sgd, adamw
+    ValueError: optimizer 'adam' is unknown; did you mean 'adamw'? allowed: sgd, adamw, auto
 
 Their defaults are declared here once too, in :data:`HYPER_DEFAULTS`: the
 algorithms' signatures, the ``torch.optim`` classes and the config's keys
@@ -54,7 +54,7 @@ from typing import Any, Iterable
 from topologies import unknown_name_error
 
 __all__ = ["BETAS", "EPS", "FEDAVG_FRACTION", "HYPER_DEFAULTS", "LR", "LR_GAMMA", "LR_MIN", "LR_POWER", "LR_SCHEDULES",
-           "LR_TAU", "MOMENTUM", "OPTIMIZERS", "SCHEDULED_LR", "WEIGHT_DECAY", "Bounds", "Choices", "Numbers",
+           "LR_TAU", "MOMENTUM", "OPTIMIZERS", "OUTER_LR", "OUTER_MIXINGS", "OUTER_RULE_DEFAULTS", "SCHEDULED_LR", "WEIGHT_DECAY", "Bounds", "Choices", "Numbers",
            "check_choice", "check_int", "check_lr", "check_momentum", "check_nesterov", "check_number",
            "check_weight_decay"]
 
@@ -194,14 +194,19 @@ LR_SCHEDULES = Choices(("constant", "diminishing", "cosine", "step"))
 LR_MIN = Bounds(low=0, finite=True)
 #: γ of the step schedule (α₀·γ^⌊k/s⌋): in (0, 1]
 LR_GAMMA = Bounds(low=0, high=1, low_open=True)
-#: each agent's local optimizer (cdsgd.algorithms.local_optim): the rule's own SGD arithmetic, or AdamW
-OPTIMIZERS = Choices(("sgd", "adamw"))
+#: each agent's local optimizer (cdsgd.algorithms.local_optim): the rule's own SGD arithmetic, or AdamW; auto: the
+#: rule's default (adamw for diloco and noloco, as their papers train; sgd for the others)
+OPTIMIZERS = Choices(("sgd", "adamw", "auto"))
 #: AdamW's (β1, β2): two numbers, each in [0, 1)
 BETAS = Numbers(2, Bounds(low=0, high=1, high_open=True))
 #: AdamW's ε: finite and > 0
 EPS = Bounds(low=0, low_open=True, finite=True)
 #: the fraction of agents FedAvg samples per round: in (0, 1]
 FEDAVG_FRACTION = Bounds(low=0, high=1, low_open=True)
+#: the outer step size of DiLoCo and NoLoCo: finite and > 0
+OUTER_LR = Bounds(low=0, low_open=True, finite=True)
+#: how DiLoCo averages its pseudo-gradients: an all-reduce over every agent, or the graph's mixing W
+OUTER_MIXINGS = Choices(("allreduce", "graph"))
 
 #: The default of every hyperparameter, one value per key for every algorithm that takes it, declared once: the
 #: update rules' signatures (cdsgd.algorithms), the torch.optim classes (cdsgd.algorithms.optim) and the config's
@@ -220,7 +225,7 @@ HYPER_DEFAULTS = MappingProxyType({
     "lr_gamma": 0.1,  # torch.optim.lr_scheduler.StepLR's
     "lr_warmup": 0,
     "weight_decay": 0.0,
-    "optimizer": "sgd",
+    "optimizer": "auto",  # each rule's own: sgd, adamw for diloco and noloco
     "betas": (0.9, 0.999),  # torch.optim.AdamW's
     "eps": 1e-8,
     "momentum": 0.95,  # CDMSGD's (the paper's), for every rule with a momentum
@@ -231,7 +236,19 @@ HYPER_DEFAULTS = MappingProxyType({
     "compression": "none",
     "compression_params": MappingProxyType({}),
     "consensus_step": "auto",
+    "outer_lr": 0.7,  # DiLoCo's (Douillard et al. 2023) and NoLoCo's
+    "outer_momentum": 0.9,  # DiLoCo's Nesterov μ, the NoLoCo code's default
+    "outer_mixing": "allreduce",
+    "group_size": 2,  # NoLoCo's experiments: pairs
+    "fragments": 1,
+    "overlap_steps": 0,
+    "error_feedback": False,
 })
+
+
+#: The two rules of local steps and an outer optimizer (diloco, noloco) differ from HYPER_DEFAULTS here: H = 50
+#: inner steps per outer step (the config writes it unset, 0); their papers' runs use 50 to 500.
+OUTER_RULE_DEFAULTS = MappingProxyType({"local_steps": 50})
 
 
 def check_lr(lr: Any) -> float:

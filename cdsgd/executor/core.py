@@ -61,6 +61,7 @@ same parameters, so after one step they differ only through their batches)::
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from typing import Callable, Sequence
 
@@ -146,7 +147,8 @@ class Executor:
         self.reducer = reducer if reducer is not None else Reducer()
         self.evaluator = evaluator if evaluator is not None else Evaluator(None, stack.n_agents)
         self.mixer = held_mixer(mixer, algorithm, stack.n_agents, stack.ids, exact=stack.exact)
-        algorithm.bind(n_agents=stack.n_agents, steps_per_epoch=data.steps_per_epoch, seed=stack.seed)
+        algorithm.bind(n_agents=stack.n_agents, steps_per_epoch=data.steps_per_epoch, seed=stack.seed,
+                       tensor_sizes=[math.prod(s) for s in stack.layout.shapes])
         self.state = algorithm.init_state(self.X, mixer=self.mixer)
         self.k = 0
         self.meters = Meters(len(stack.ids), self.X, stack.models)
@@ -240,7 +242,7 @@ class Executor:
         """One synchronous step of every agent held here. Returns their mean batch loss (NaN if none stepped)."""
         t0 = time.perf_counter()
         alg, X, k, clock = self.algorithm, self.X, self.k, self.meters.clock
-        mixer = self.mixer.at(k)  # W_k of a time-varying schedule; the one mixer otherwise
+        mixer = alg.step_mixer(self.mixer, k)  # W_k of a schedule, Π = I between periodic gossip's messages
         sent = self.mixer.bytes_sent.clone()
         mixer = mixer if clock is None else clock.mixer(mixer, k)  # the step's lost messages taken out
         mask = alg.participants(k)
@@ -257,7 +259,7 @@ class Executor:
         self.meters.loss.add(active, losses)
         self.meters.nonfinite.check(active, losses, self.X, self.k)
         if clock is not None:
-            clock.record(active, t1, self.mixer.bytes_sent - sent)
+            clock.record(active, t1, self.mixer.bytes_sent - sent, alg.message_delay(k), getattr(mixer, "phase", None))
         self.meters.timer.charge(time.perf_counter() - t0)
         return self.last_loss
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..algorithms import ALGORITHMS, Algorithm
-from ..mixers import Mixer
+from ..mixers import LocalStepMixer, Mixer
 from ..network import LossyMixer, NetworkClock, NetworkSpec
 
 __all__ = ["ClockFeed", "check_network", "clock_traffic", "lossy_algorithms"]
@@ -71,7 +71,9 @@ class ClockFeed:
             if traffic == "neighbours" and W is None:
                 raise ValueError("a simulated network needs the mixing matrix: this mixer does not say it (matrix "
                                  "is None); give a NetworkClock built with W")
-            clock = NetworkClock(network, W, n_agents=n, traffic=traffic, overlap=ex.overlap, seed=ex.seed,
+            # a rule that mixes after the gradient (d2, choco, diloco's outer step, ...) cannot overlap it
+            clock = NetworkClock(network, W, n_agents=n, traffic=traffic, overlap=ex.overlap and alg.mixes_params,
+                                 seed=ex.seed,
                                  message_bytes=ex.layout.numel * ex.X.element_size())
         else:
             raise ValueError(f"network must be a NetworkSpec or a NetworkClock, got {type(network).__name__}")
@@ -81,22 +83,29 @@ class ClockFeed:
         self.clock, self.mode, self.n_held = clock, alg.lost_message, len(ex.agents)
         self._compute: list[torch.Tensor] = []
         self._sent: list[torch.Tensor] = []
+        self._delay: list[int] = []
+        self._phase: list[int] = []
 
     def mixer(self, mixer: Mixer, k: int) -> Mixer:
         """The mixer of step k with that step's lost messages taken out (the mixer itself if none can be lost)."""
-        if not self.clock.spec.lossy:
+        if not self.clock.spec.lossy or isinstance(mixer, LocalStepMixer):  # a local step sends nothing to lose
             return mixer
         g = self.clock.graph(k)
         dropped, failed = self.clock.losses(k)
         return LossyMixer(mixer, g.recv, g.send, g.weight, dropped | failed, self.mode)
 
-    def record(self, active: list[int], seconds: float, sent: torch.Tensor) -> None:
-        """One step: the held agents in ``active`` computed for ``seconds`` together; ``sent``: bytes per held agent."""
+    def record(self, active: list[int], seconds: float, sent: torch.Tensor, delay: int = 0,
+               phase: int | None = None) -> None:
+        """One step: the held agents in ``active`` computed for ``seconds`` together; ``sent``: bytes per held
+        agent; ``delay``: the further steps those messages may take, ``phase``: the step of a schedule they went
+        over (:meth:`NetworkClock.advance`)."""
         c = torch.zeros(self.n_held, dtype=torch.float64)
         if active:
             c[active] = seconds / len(active)
         self._compute.append(c)
         self._sent.append(sent.detach().double().cpu())
+        self._delay.append(int(delay))
+        self._phase.append(-1 if phase is None else int(phase))
 
     def flush(self, reducer) -> float:
         """Advance the clock over the recorded steps (gathered from every process); the simulated seconds."""
@@ -105,18 +114,24 @@ class ClockFeed:
             every = reducer.agent_values(per).numpy()  # N × 2·steps, in agent order
             steps = len(self._compute)
             for s in range(steps):
-                self.clock.advance(every[:, s], every[:, steps + s])
+                phase = None if self._phase[s] < 0 else self._phase[s]
+                self.clock.advance(every[:, s], every[:, steps + s], delay=self._delay[s], phase=phase)
             self._compute.clear()
             self._sent.clear()
+            self._delay.clear()
+            self._phase.clear()
         return self.clock.seconds
 
     def state_dict(self) -> dict:
         """The clock's state and the records not yet given to it (a checkpoint between evaluations)."""
         return {"clock": self.clock.state_dict(), "compute": [t.clone() for t in self._compute],
-                "sent": [t.clone() for t in self._sent]}
+                "sent": [t.clone() for t in self._sent], "delay": list(self._delay),
+                "phase": list(self._phase)}
 
     def load_state_dict(self, state: dict) -> None:
         self.clock.load_state_dict(state["clock"])
         self._compute = [t.clone() for t in state["compute"]]
         self._sent = [t.clone() for t in state["sent"]]
+        self._delay = list(state.get("delay", [0] * len(self._sent)))  # absent: written before delays existed
+        self._phase = list(state.get("phase", [-1] * len(self._sent)))
 

@@ -45,14 +45,15 @@ Example::
 """
 
 from .base import (Handle, Mixer, allreduce_bytes, check_mixer, is_schedule, is_sparse, neighbourhood,
-                   ordered_weighted_sum, overlaps, result_tensor)
+                   ordered_mean, ordered_weighted_sum, overlaps, result_tensor)
 from .matrix import BLOCK_BYTES, DENSE_FRACTION, PAD_LIMIT, MatrixMixer
-from .schedule import ScheduleMixer, make_mixer
+from .schedule import LocalStepMixer, ScheduleMixer, make_mixer
 
 __all__ = [
     "BLOCK_BYTES",
     "DENSE_FRACTION",
     "Handle",
+    "LocalStepMixer",
     "Mixer",
     "MatrixMixer",
     "PAD_LIMIT",
@@ -63,6 +64,7 @@ __all__ = [
     "is_sparse",
     "make_mixer",
     "neighbourhood",
+    "ordered_mean",
     "ordered_weighted_sum",
     "overlaps",
     "result_tensor",

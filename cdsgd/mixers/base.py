@@ -18,7 +18,7 @@ import torch
 import topologies
 
 __all__ = ["Handle", "Mixer", "allreduce_bytes", "check_mixer", "is_schedule", "is_sparse", "neighbourhood",
-           "ordered_weighted_sum", "overlaps", "result_tensor"]
+           "ordered_mean", "ordered_weighted_sum", "overlaps", "result_tensor"]
 
 
 class Handle:
@@ -47,6 +47,21 @@ def ordered_weighted_sum(weights: Sequence[float], tensors: Sequence[torch.Tenso
     for w, t in zip(weights[1:], tensors[1:]):
         out.add_(t, alpha=w)
     return out
+
+
+def ordered_mean(X2: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the mean of the rows of the N×P stack X2 (those where ``mask``), summed in row order, then
+    divided by their count: the exact mode's all-average, the same bits in the simulator and the runtime.
+
+    >>> ordered_mean(torch.tensor([[1.0], [2.0], [6.0]]), None, torch.empty(1)).tolist()
+    [3.0]
+    """
+    rows = range(X2.shape[0]) if mask is None else [int(i) for i in torch.nonzero(mask.cpu()).flatten()]
+    rows = list(rows)
+    out.copy_(X2[rows[0]])
+    for i in rows[1:]:
+        out.add_(X2[i])
+    return out.div_(len(rows))
 
 
 def is_sparse(W) -> bool:

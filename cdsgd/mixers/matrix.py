@@ -11,8 +11,8 @@ import topologies
 
 from ..base.flat import kept
 from .edges import edge_list, out_degrees, reverse_positions
-from .base import (Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_weighted_sum,
-                   result_tensor)
+from .base import (Handle, Mixer, allreduce_bytes, is_schedule, is_sparse, neighbourhood, ordered_mean,
+                   ordered_weighted_sum, result_tensor)
 
 __all__ = ["BLOCK_BYTES", "DENSE_FRACTION", "MatrixMixer", "PAD_LIMIT"]
 
@@ -249,6 +249,9 @@ class MatrixMixer(Mixer):
         self._check(X)
         out = result_tensor(X, out, "average")
         self.bytes_sent += allreduce_bytes(self.n_agents, _numel_per_agent(X), X.element_size())
+        if self.exact:  # summed in agent order, as the runtime's exact mode does
+            mean = ordered_mean(X.reshape(X.shape[0], -1), mask, self._buffer(X, "ordered_mean", (X[0].numel(),)))
+            return out.copy_(mean.view(1, *X.shape[1:]).expand_as(X))
         if mask is None:
             mean = torch.mean(X, dim=0, keepdim=True, out=self._buffer(X, "mean", (1, *X.shape[1:])))
         else:

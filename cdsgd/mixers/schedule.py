@@ -1,4 +1,5 @@
-"""Time-varying mixing (:class:`ScheduleMixer`) and the one way from a matrix to a mixer (:func:`make_mixer`)."""
+"""Time-varying mixing (:class:`ScheduleMixer`, and :class:`LocalStepMixer`: Π = I between the communications of
+periodic gossip) and the one way from a matrix to a mixer (:func:`make_mixer`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,38 @@ import torch
 
 import topologies
 
-from .base import Handle, Mixer, check_mixer, is_schedule, is_sparse
+from .base import Handle, Mixer, check_mixer, is_schedule, is_sparse, result_tensor
 from .matrix import MatrixMixer
 
-__all__ = ["ScheduleMixer", "make_mixer"]
+__all__ = ["LocalStepMixer", "ScheduleMixer", "make_mixer"]
+
+
+class LocalStepMixer(Mixer):
+    """Π = I for the agents of ``base``: a step of periodic gossip between communications (``local_steps`` > 1).
+
+    ``start(X)`` gives X back (a copy, or into ``out``) and sends nothing: its
+    ``bytes_sent`` is its own counter of zeros, so the run's (``base``'s)
+    does not grow. ``average`` is refused: a rule that all-reduces does not
+    take local steps this way. ``part_of`` names ``base``.
+
+    >>> import torch
+    >>> from cdsgd.mixers import MatrixMixer
+    >>> m = LocalStepMixer(MatrixMixer([[0.5, 0.5], [0.5, 0.5]]))
+    >>> m.mix(torch.tensor([[1.0], [3.0]])).tolist(), m.bytes_sent.tolist()
+    ([[1.0], [3.0]], [0.0, 0.0])
+    """
+
+    def __init__(self, base: Mixer) -> None:
+        self.part_of, self.n_agents, self.agents = base, base.n_agents, list(base.agents)
+        self.bytes_sent = torch.zeros(len(self.agents), dtype=torch.float64)
+        self.exact = getattr(base, "exact", False)
+
+    def start(self, X: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
+        return Handle(result_tensor(X, out).copy_(X))
+
+    def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        raise ValueError("a local step sends nothing: there is no average between communications")
 
 
 class ScheduleMixer(Mixer):

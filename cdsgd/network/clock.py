@@ -36,6 +36,12 @@ parallel (m · 8 / B + L), then the server sends the average to each of them
 over its uplink (n · m · 8 / B + L). A step in which an agent sends nothing
 (a FedAvg local step, ``local``) costs its computation only.
 
+**Delayed messages** (Streaming DiLoCo's overlapped fragments: the rule's
+``message_delay``). Messages sent at step k with delay d are waited for at the
+start of step k + 1 + d instead of k + 1: s_i(k+1+d) = max(s_i(k+1+d), their
+arrivals), so d steps of computation overlap them (they still occupy the
+uplink). With d = 0 this is the rule above.
+
 **Losses.** ``drop``: each message independently lost with that
 probability; ``link_failure``: each edge down for one step with that
 probability (both directions; nothing is sent over it). The draws of step k
@@ -168,6 +174,8 @@ class NetworkClock:
         self.uplink = np.zeros(self.n_agents if self.hosts is None else int(self.hosts.max()) + 1)
         self.k = 0
         self.lost_messages = 0
+        #: messages in flight past their step (``delay`` > 0): (the step that waits for them, arrival per agent)
+        self.pending: list[tuple[int, np.ndarray]] = []
 
     # ------------------------------------------------------------------ losses
 
@@ -204,23 +212,36 @@ class NetworkClock:
             self.n_agents, self.spec.compute_ms / 1e3)
         return base * self.slowdown
 
-    def advance(self, measured: np.ndarray, sent: np.ndarray) -> float:
+    def advance(self, measured: np.ndarray, sent: np.ndarray, delay: int = 0, phase: int | None = None) -> float:
         """Advance by one step: ``measured`` each agent's computation seconds (used when ``compute_ms`` is
-        absent; 0 for an agent that did not compute), ``sent`` the bytes each agent sent this step.
-        Returns :attr:`seconds`."""
+        absent; 0 for an agent that did not compute), ``sent`` the bytes each agent sent this step,
+        ``delay`` the further steps its messages may take (0: waited for before step k + 1 starts; d: before
+        step k + 1 + d, the computation of the d steps between overlapping them); ``phase`` the step of the
+        schedule the messages went over (default k; NoLoCo's groups change once per outer step). Returns
+        :attr:`seconds`."""
+        if not (isinstance(delay, (int, np.integer)) and delay >= 0):
+            raise ValueError(f"delay must be a whole number of steps >= 0, got {delay!r}")
+        landed = [a for due, a in self.pending if due == self.k]
+        self.pending = [(due, a) for due, a in self.pending if due != self.k]
+        for arrivals in landed:  # messages sent d steps ago are waited for now
+            self.start = np.maximum(self.start, arrivals)
         c = self.compute_seconds(measured)
         sent = np.asarray(sent, dtype=float)
         done = self.start + c
         if self.traffic == "none" or not sent.any():
-            self.start = done
+            finish = done
         elif self.traffic in ("allreduce", "server"):
-            self._collective(done, sent)
+            finish = self._collective(done, sent)
         else:
-            self._gossip(c, done, sent)
+            finish = self._gossip(c, done, sent, self.k if phase is None else phase)
+        if delay and finish is not done:
+            self.pending.append((self.k + 1 + int(delay), finish))
+            finish = done
+        self.start = finish
         self.k += 1
         return self.seconds
 
-    def _collective(self, done: np.ndarray, sent: np.ndarray) -> None:
+    def _collective(self, done: np.ndarray, sent: np.ndarray) -> np.ndarray:
         spec, part = self.spec, sent > 0
         t0 = done[part].max()
         if self.traffic == "allreduce":
@@ -228,12 +249,13 @@ class NetworkClock:
         else:  # FedAvg's server star: upload in parallel, then the server sends to each participant in turn
             m = self.message_bytes
             t = t0 + spec.transfer_seconds(m) + spec.latency + spec.transfer_seconds(part.sum() * m) + spec.latency
-        self.start = np.where(part, t, done)
         self.uplink = np.where(part, t, self.uplink)
+        return np.where(part, t, done)
 
-    def _gossip(self, c: np.ndarray, done: np.ndarray, sent: np.ndarray) -> None:
-        spec, g = self.spec, self.graph(self.k)
-        dropped, failed = self.losses(self.k)
+    def _gossip(self, c: np.ndarray, done: np.ndarray, sent: np.ndarray, phase: int) -> np.ndarray:
+        spec, g = self.spec, self.graph(phase)
+        none = np.zeros(len(g.recv), dtype=bool)  # a rule on its own phases (noloco) never loses messages
+        dropped, failed = self.losses(self.k) if spec.lossy else (none, none)
         with np.errstate(divide="ignore", invalid="ignore"):
             size = np.where(g.out_degree > 0, sent / g.out_degree, 0.0)  # one message's bytes, per sender
         tau = size * 8.0 / (spec.bandwidth_mbps * 1e6)
@@ -254,11 +276,11 @@ class NetworkClock:
         np.maximum.at(finish, g.recv[waited], arrive[waited])
         n_sent = np.bincount(g.send[live], minlength=self.n_agents)
         self.uplink = np.where(n_sent > 0, sigma + n_sent * tau, self.uplink)
-        self.start = finish
         self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
+        return finish
 
     def _gossip_hosts(self, g: _Graph, tau: np.ndarray, done: np.ndarray, sent: np.ndarray, dropped: np.ndarray,
-                      failed: np.ndarray) -> None:
+                      failed: np.ndarray) -> np.ndarray:
         """The gossip step with uplinks per host (the module docstring's **Hosts**)."""
         ready = self.start if self.overlap else done
         live = (~failed) & (sent[g.send] > 0)
@@ -272,18 +294,19 @@ class NetworkClock:
         waited = live & ~dropped
         finish = done.copy()
         np.maximum.at(finish, g.recv[waited], arrive[waited])
-        self.start = finish
         self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
+        return finish
 
     # ------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict:
         """The clock's state (numbers and lists: loads with ``weights_only``)."""
         return {"k": self.k, "start": self.start.tolist(), "uplink": self.uplink.tolist(),
-                "lost_messages": self.lost_messages}
+                "lost_messages": self.lost_messages, "pending": [[due, a.tolist()] for due, a in self.pending]}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`."""
         self.k, self.lost_messages = int(state["k"]), int(state["lost_messages"])
         self.start = np.asarray(state["start"], dtype=float)
         self.uplink = np.asarray(state["uplink"], dtype=float)
+        self.pending = [(int(due), np.asarray(a, dtype=float)) for due, a in state.get("pending", [])]

@@ -53,6 +53,7 @@ from ..executor.asynchronous import check_asynchronous, executor_class
 from ..executor.evaluation import default_eval_agents
 from ..executor.timing import check_network
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
+from .graphs import baseline_gap, own_graph, plan_topology, uses_graph
 from .logger import check_logger
 
 __all__ = ["IMPORTABLE", "Parts", "Plan", "REGISTRIES", "baseline_gap", "build_executor", "hyperparameters",
@@ -173,7 +174,7 @@ def validate_config(cfg: Config) -> Plan:
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     if uses_graph(algorithm):
         # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
-        G, W = plan_topology(cfg)
+        G, W = own_graph(cfg, algorithm) or plan_topology(cfg)
         if getattr(algorithm, "needs_tree", False):  # relaysum: a spanning tree of the topology
             if isinstance(W, topologies.Schedule):
                 raise ValueError(f"algorithm {cfg.algorithm!r} relays along one fixed spanning tree; topology "
@@ -203,52 +204,6 @@ def _check_compression(cfg: Config) -> None:
                          f"messages ({users}); algorithm={cfg.algorithm!r} sends full vectors")
 
 
-def uses_graph(algorithm: Algorithm) -> bool:
-    """Whether ``algorithm`` mixes with neighbours over a graph (its ``traffic`` is ``"neighbours"``).
-
-    The others need none: ``sgd``, ``msgd`` and ``fedavg`` average over all
-    agents by all-reduce (W None), ``local`` never communicates. They run
-    for any n_agents >= 1, whatever ``topology`` says.
-    """
-    return algorithm.traffic == "neighbours"
-
-
-def baseline_gap(algorithm: Algorithm, n_agents: int) -> topologies.SpectralGap:
-    """The spectral gap of the averaging an algorithm without a graph does, in closed form.
-
-    All-reduce (``sgd``, ``msgd``, ``fedavg``): the exact mean Π = 11ᵀ/n,
-    eigenvalues 1, 0, …, 0: λ₂ = 0, gap 1. No communication (``local``):
-    Π = I, λ₂ = 1, gap 0. One agent: λ₂ = 0 either way (as
-    :func:`topologies.spectral_gap` has it for n = 1).
-
-    >>> from cdsgd.algorithms import make_algorithm
-    >>> baseline_gap(make_algorithm("msgd", lr=0.1), 8), baseline_gap(make_algorithm("local", lr=0.1), 8)
-    (SpectralGap(gap=1.0, lambda2=0.0), SpectralGap(gap=0.0, lambda2=1.0))
-    """
-    lambda2 = 1.0 if algorithm.traffic == "none" and n_agents > 1 else 0.0
-    return topologies.SpectralGap(gap=1.0 - lambda2, lambda2=lambda2)
-
-
-def plan_topology(cfg: Config):
-    """The graph and mixing matrix of ``cfg.topology``, ``cfg.mixing`` and ``cfg.topology_params`` on
-    ``cfg.n_agents`` agents: ``(G, W)`` by :func:`topologies.graph_and_mixing` (W a Schedule for a
-    time-varying topology). Fewer than 2 agents are refused, naming ``n_agents``.
-
-        >>> from cdsgd.config import load_config
-        >>> plan_topology(load_config(overrides=["n_agents=1"]))
-        Traceback (most recent call last):
-        ...
-        ValueError: n_agents must be >= 2 with algorithm='cdmsgd', which mixes over a graph (only sgd, msgd, fedavg, local run on 1 agent), got 1
-    """
-    if cfg.n_agents < 2:  # the one message: the topologies' own ("n must be ...") does not name the config key
-        alone = ", ".join(a for a in ALGORITHMS if ALGORITHMS.get(a).traffic != "neighbours")
-        raise ValueError(f"n_agents must be >= 2 with algorithm={cfg.algorithm!r}, which mixes over a graph "
-                         f"(only {alone} run on 1 agent), got {cfg.n_agents}")
-    # mixing left at its default is "not given": a schedule refuses only a rule the user chose
-    rule = None if cfg.mixing == key_info("mixing")["default"] else cfg.mixing
-    return topologies.graph_and_mixing(cfg.topology, cfg.n_agents, rule, **cfg.topology_params)
-
-
 def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm, W=None,
            gap: topologies.SpectralGap | None = None) -> list[str]:
     """Settings of ``cfg`` that have no effect, and a mixing matrix ``W`` that never reaches consensus
@@ -268,6 +223,12 @@ def _notes(cfg: Config, G: nx.Graph | None, algorithm: Algorithm, W=None,
         if carried:
             notes.append(f"graph file {cfg.topology!r} carries {' and '.join(carried)}, which mixing={cfg.mixing!r} "
                          "ignores (it computes its own); set mixing=weight to mix with the file's weights")
+    if (getattr(algorithm, "needs_groups", False) or getattr(algorithm, "needs_complete", False)) and unused:
+        what = ("random groups of group_size" if getattr(algorithm, "needs_groups", False)
+                else "the complete graph (a compressed all-gather)")
+        notes.append(f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in unused)} "
+                     f"{'has' if len(unused) == 1 else 'have'} no effect with algorithm={cfg.algorithm!r}: it mixes "
+                     f"over {what}")
     if getattr(algorithm, "needs_tree", False) and cfg.mixing != key_info("mixing")["default"]:
         notes.append(f"mixing={cfg.mixing!r} has no effect with algorithm={cfg.algorithm!r}: it averages over all "
                      "agents along a spanning tree, every agent weighted 1/N")

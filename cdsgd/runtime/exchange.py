@@ -55,7 +55,7 @@ import topologies
 from ..base.comm import exchange, wait, wait_peers
 from .edges import EdgeMessages
 from ..mixers import (DENSE_FRACTION, Handle, MatrixMixer, Mixer, allreduce_bytes, is_sparse, neighbourhood,
-                      ordered_weighted_sum, result_tensor)
+                      ordered_mean, ordered_weighted_sum, result_tensor)
 
 __all__ = ["BlockMixer", "NeighbourMixer", "agent_block", "agents_per_process"]
 
@@ -330,6 +330,8 @@ class BlockMixer(EdgeMessages, Mixer):
         X2 = self._flat(X)
         out = result_tensor(X, out, "average")
         lo, per = self.agents[0], len(self.agents)
+        if self.exact:
+            return self._ordered_average(X2, mask, out)
         if mask is None:
             part, count = X2.sum(dim=0), self.n_agents
         else:
@@ -341,6 +343,20 @@ class BlockMixer(EdgeMessages, Mixer):
         self.bytes_sent += allreduce_bytes(self.n_agents, P, size)
         self.bytes_across += allreduce_bytes(self.world, P, size)
         out.view(X2.shape).copy_(part.div_(count).expand_as(X2))
+        return out
+
+
+    def _ordered_average(self, X2: torch.Tensor, mask, out: torch.Tensor) -> torch.Tensor:
+        """The exact mode's average: every block gathered, the rows summed in agent order (:func:`ordered_mean`,
+        as the simulator's exact mode), so the result has the simulator's bits."""
+        blocks = [torch.empty_like(X2) for _ in range(self.world)]
+        work = dist.all_gather(blocks, X2.contiguous(), group=self.group, async_op=True)
+        wait(work, self.timeout, f"rank {self.rank}: all-gather of {X2.shape[1]} values per agent (exact mode)")
+        P, size = X2.shape[1], X2.element_size()
+        self.bytes_sent += allreduce_bytes(self.n_agents, P, size)
+        self.bytes_across += (self.world - 1) * X2.numel() * size
+        mean = ordered_mean(torch.cat(blocks), mask, torch.empty(P, dtype=X2.dtype, device=X2.device))
+        out.view(X2.shape).copy_(mean.expand_as(X2))
         return out
 
 
