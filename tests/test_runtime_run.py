@@ -99,6 +99,27 @@ def test_a_language_model_with_adamw_agents_is_bit_identical_in_the_runtime(tmp_
         (sim / "summary.json").read_text())["bigram_loss"]
 
 
+@pytest.mark.parametrize("name,extra", [
+    ("diloco-graph", ["algorithm=diloco", "outer_mixing=graph", "fragments=2", "overlap_steps=1", "compression=top_k",
+                      "compression_params={ratio = 0.1}", "error_feedback=true"]),
+    ("diloco-allreduce", ["algorithm=diloco"]),
+    ("noloco", ["algorithm=noloco"]),
+])
+def test_outer_rules_are_bit_identical_in_the_runtime(tmp_path, name, extra):
+    """Local steps and an outer step, 2 agents in each of 2 processes, exact mode: the same parameters, bytes and
+    simulated seconds (the all-reduce summed in agent order on both executors; noloco's random groups)."""
+    args = [*BASE, "epochs=1", "local_steps=5", "lr=0.003", "exact=true", "eval_steps=9", "network=wan",
+            "network_params={compute_ms = 4}", *extra]
+    sim, tor = run_pair(tmp_path, args, 2, f"{name}-")
+    assert torch.equal(torch.load(sim / "params.pt"), torch.load(tor / "params.pt"))
+    ms, mt = metrics(sim), metrics(tor)
+    assert len(ms) == len(mt) >= 2
+    for a, b in zip(ms, mt):
+        for k in ("step", "test_loss", "bytes_sent_per_agent", "sim_seconds"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    assert ms[-1]["bytes_sent_per_agent"] > 0
+
+
 def test_training_bytes_are_degree_times_p_times_steps(tmp_path):
     tor = tmp_path / "bytes"
     r = cli("launch", "--nproc-per-node", "4", *BASE, "topology=ring", f"out={tor}")

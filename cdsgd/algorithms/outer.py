@@ -172,6 +172,7 @@ class DiLoCoAlgorithm(_OuterRule):
         super().check_mixing(W)
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
+        self.columns(X[0].numel())  # fragments the model's tensors cannot make are refused before training
         state = super()._init_state(X, mixer)
         if self.error_feedback:
             state["residual"] = torch.zeros_like(X)
