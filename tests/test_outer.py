@@ -344,3 +344,18 @@ def test_the_run_builds_noloco_groups_and_diloco_all_gathers_compressed_messages
     assert np.allclose(plan.W, 0.2) and plan.algorithm.traffic == "neighbours"
     plan = validate_config(load_config(overrides=["algorithm=diloco", "n_agents=5"]))
     assert plan.W is None and plan.algorithm.traffic == "allreduce" and plan.algorithm.adam is not None
+
+
+@pytest.mark.parametrize("name,overlaps", [("cdsgd", True), ("d2", False), ("diloco", False)])
+def test_only_a_rule_that_mixes_the_pre_gradient_parameters_overlaps_its_messages(name, overlaps):
+    """With overlap=true the clock hides a step's messages behind its computation for cdsgd, not for a rule
+    that sends what the gradient made (d2) or an outer step (diloco)."""
+    net = network_spec("edge", {"compute_ms": 30})
+    W = graph_for("cdsgd" if name == "diloco" else name)
+    hyper = {"local_steps": 2, "outer_mixing": "graph"} if name == "diloco" else {}
+    seconds = []
+    for overlap in (True, False):
+        ex = executor(name, W, network=net, overlap=overlap, **hyper)
+        ex.run(steps=4, eval_every_steps=4)
+        seconds.append(ex.clock.clock.seconds)
+    assert (seconds[0] < seconds[1]) == overlaps and seconds[0] <= seconds[1]

@@ -223,7 +223,10 @@ def _announce(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, t
               summary: dict, log: Callable[[str], None]) -> None:
     """Say what runs (and its warnings); do the rule's one-off preparation (CHOCO's γ); note the network."""
     plan = parts.plan
-    graph = (f"on {cfg.topology} (n={cfg.n_agents}, spectral gap {topologies.format_gap(parts.spectral_gap.gap)})"
+    alg = plan.algorithm
+    where = (f"random groups of {alg.group_size}" if getattr(alg, "needs_groups", False) else
+             "the complete graph (a compressed all-gather)" if getattr(alg, "needs_complete", False) else cfg.topology)
+    graph = (f"on {where} (n={cfg.n_agents}, spectral gap {topologies.format_gap(parts.spectral_gap.gap)})"
              if plan.uses_graph else f"(n={cfg.n_agents}, "
              f"{'all-reduce' if plan.algorithm.traffic == 'allreduce' else 'no communication'}, no graph)")
     log(f"cdsgd run: {cfg.algorithm} {graph}, "
