@@ -54,12 +54,22 @@ RULES = {
     "diloco_h10": ["algorithm=diloco", *ADAMW, "local_steps=10"],
     "diloco_h50": ["algorithm=diloco", *ADAMW, "local_steps=50"],
     "diloco_h200": ["algorithm=diloco", *ADAMW, "local_steps=200"],
+    # the outer step's own settings: plain averaging (η = 1, μ = 0: FedAvg with AdamW inside), NoLoCo's μ = 0.5
+    "diloco_h10_avg": ["algorithm=diloco", *ADAMW, "local_steps=10", "outer_lr=1.0", "outer_momentum=0"],
+    "diloco_h50_avg": ["algorithm=diloco", *ADAMW, "local_steps=50", "outer_lr=1.0", "outer_momentum=0"],
+    "diloco_h50_mu05": ["algorithm=diloco", *ADAMW, "local_steps=50", "outer_momentum=0.5"],
     "diloco_graph_h10": ["algorithm=diloco", *ADAMW, "local_steps=10", "outer_mixing=graph"],
     "diloco_graph_h50": ["algorithm=diloco", *ADAMW, "local_steps=50", "outer_mixing=graph"],
+    "diloco_graph_h50_avg": ["algorithm=diloco", *ADAMW, "local_steps=50", "outer_mixing=graph", "outer_lr=1.0",
+                             "outer_momentum=0"],
     "noloco_h50": ["algorithm=noloco", *ADAMW, "local_steps=50"],
+    "noloco_h50_mu05": ["algorithm=noloco", *ADAMW, "local_steps=50", "outer_momentum=0.5"],  # the paper's runs
     "streaming_h50_f4": ["algorithm=diloco", *ADAMW, "local_steps=50", "fragments=4", "overlap_steps=2"],
     "sparseloco_h50": ["algorithm=diloco", *ADAMW, "local_steps=50", "compression=top_k",
                        "compression_params={ratio = 0.03}", "error_feedback=true"],
+    "sparseloco_h50_avg": ["algorithm=diloco", *ADAMW, "local_steps=50", "compression=top_k",
+                           "compression_params={ratio = 0.03}", "error_feedback=true", "outer_lr=1.0",
+                           "outer_momentum=0"],
 }
 SPLITS = {"iid": ["partition=iid"], "dirichlet": ["partition=dirichlet", "dirichlet_alpha=0.1"]}
 NETWORKS = ("datacenter", "wan", "edge")
@@ -94,6 +104,14 @@ def train(overrides: list[str], steps: int, every: int, compute_ms: float):
     return rows, parts.bigram_loss
 
 
+def write_tables(out: Path, results: list[dict], curves: list[dict]) -> None:
+    for name, table in (("results.csv", results), ("curves.csv", curves)):
+        with open(out / name, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+
+
 def first_reach(rows: list[dict], target: float) -> dict | None:
     return next((r for r in rows if r["loss_avg_model"] <= target), None)
 
@@ -106,9 +124,10 @@ def plot(curves: list[dict], split: str, target: float, floor: float, path: Path
 
     fig, axes = plt.subplots(1, len(NETWORKS), figsize=(13, 4.2), sharey=True)
     rules = list(dict.fromkeys(c["rule"] for c in curves if c["split"] == split))
+    first = min(c["seed"] for c in curves)  # one curve per rule: the first seed's
     for ax, net in zip(axes, NETWORKS):
         for i, rule in enumerate(rules):
-            pts = [c for c in curves if c["split"] == split and c["rule"] == rule and c["seed"] == 0]
+            pts = [c for c in curves if c["split"] == split and c["rule"] == rule and c["seed"] == first]
             style = "-" if rule.startswith(("diloco", "noloco", "streaming", "sparseloco")) else "--"
             ax.plot([p[f"sim_seconds_{net}"] for p in pts], [p["loss_avg_model"] for p in pts], style,
                     color=plt.cm.tab20(i % 20), label=rule, lw=1.4)
@@ -120,7 +139,8 @@ def plot(curves: list[dict], split: str, target: float, floor: float, path: Path
         ax.set_xlabel("simulated seconds")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss of the average model (nats)")
-    axes[0].set_ylim(top=min(4.0, max(c["loss_avg_model"] for c in curves if math.isfinite(c["loss_avg_model"]))))
+    low = min(c["loss_avg_model"] for c in curves if math.isfinite(c["loss_avg_model"]))
+    axes[0].set_ylim(0.95 * low, 1.3 * target)
     axes[-1].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"16 agents, {split} split: dotted the target loss" + (", dash-dotted the bigram floor"
                                                                        if floor is not None else ""), fontsize=10)
@@ -140,7 +160,18 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS))
     p.add_argument("--only", nargs="+", default=list(RULES), choices=list(RULES))
+    p.add_argument("--replot", nargs="+", type=Path, default=[],
+                   help="no training: draw --only's curves from these folders' curves.csv into --out")
+    p.add_argument("--floor", type=float, default=None, help="with --replot: the bigram floor to draw")
     args = p.parse_args(argv)
+    if args.replot:
+        curves = [{k: (v if k in ("rule", "split") else float(v)) for k, v in row.items()}
+                  for d in args.replot for row in csv.DictReader(open(d / "curves.csv"))]
+        curves = [c for c in curves if c["rule"] in args.only]
+        curves.sort(key=lambda c: args.only.index(c["rule"]))
+        for split in args.splits:
+            plot(curves, split, args.target, args.floor, args.out / f"loss_vs_time_{split}.png")
+        return 0
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     results, curves, floor = [], [], float("nan")
@@ -149,7 +180,7 @@ def main(argv=None) -> int:
             for seed in args.seeds:
                 t0 = time.perf_counter()
                 base, adamw, sgd = WORKLOADS[args.workload]
-                rule_keys = [o.format(adamw=adamw, sgd=sgd) for o in RULES[rule]]
+                rule_keys = [o.replace("{adamw}", adamw).replace("{sgd}", sgd) for o in RULES[rule]]
                 rows, floor = train([*base, *rule_keys, *SPLITS[split], f"seed={seed}"], args.steps, args.every,
                                     args.compute_ms)
                 for r in rows:
@@ -168,11 +199,7 @@ def main(argv=None) -> int:
                       f"step {hit['step'] if hit else '-'}, " + ", ".join(
                           f"{n} {rows[-1][f'sim_seconds_{n}']:.1f} s" for n in NETWORKS)
                       + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-    for name, table in (("results.csv", results), ("curves.csv", curves)):
-        with open(args.out / name, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
+                write_tables(args.out, results, curves)  # after every run: a failure later loses nothing
     for split in args.splits:
         plot(curves, split, args.target, floor, args.out / f"loss_vs_time_{split}.png")
     print((f"bigram floor {floor:.4f}; " if floor is not None else "") + f"results in {args.out}")
