@@ -26,7 +26,7 @@ Every step is an inner step x_j ← x_j − α_k d_j; every H-th step (k + 1 ≡
             the operators of :mod:`cdsgd.algorithms.compression`): agent j sends q_j = C(Δ_j), or with
             ``error_feedback`` (SparseLoCo's form) q_j = C(Δ_j + e_j), e_j ← Δ_j + e_j − q_j; Δ̄_j = Σ_l w_jl
             q_l over the graph, or over the complete graph with weights 1/N for ``"allreduce"`` (an
-            all-gather of the compressed messages: the run mixes over ``topology="complete"``), each
+            all-gather of the compressed messages: the run builds the complete graph, whatever ``topology``), each
             message's bytes counted as CHOCO's.
 ``noloco``  NoLoCo (Kolehmainen et al., "NoLoCo: no-all-reduce low communication training method for
             large models", 2025), as the authors' code (``jkolehm/noloco``,
@@ -59,6 +59,7 @@ Example (two agents, all-reduce, one local step: the mean of the two inner steps
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..base.checks import HYPER_DEFAULTS, MOMENTUM, OUTER_LR, OUTER_MIXINGS, OUTER_RULE_DEFAULTS, check_int
@@ -164,7 +165,6 @@ class DiLoCoAlgorithm(_OuterRule):
 
     def check_mixing(self, W) -> None:
         if self.needs_complete and W is not None:
-            import numpy as np
             dense = np.asarray(W.toarray() if hasattr(W, "toarray") else W, dtype=np.float64)
             if np.abs(dense - 1.0 / dense.shape[0]).max() > 1e-12:
                 raise ValueError("a compressed all-reduce (outer_mixing='allreduce' with compression) is an all-gather "
