@@ -9,8 +9,9 @@ tracking, D², quasi-global momentum), :mod:`cdsgd.algorithms.pushsum`
 (Stochastic Gradient Push on directed graphs) and :mod:`cdsgd.algorithms.messages`
 (CHOCO-SGD's compressed gossip, with the operators of
 :mod:`cdsgd.algorithms.compression`, and RelaySum on a spanning tree) and
-:mod:`cdsgd.algorithms.adpsgd` (asynchronous pairwise gossip, run event by event) and :mod:`cdsgd.algorithms.outer` (local steps and an
-outer optimizer: DiLoCo, Streaming DiLoCo's fragments, NoLoCo). Every rule
+:mod:`cdsgd.algorithms.adpsgd` (asynchronous pairwise gossip, run event by event) and
+:mod:`cdsgd.algorithms.outer` (local steps and an outer optimizer: DiLoCo, Streaming DiLoCo's fragments,
+NoLoCo). Every rule
 takes its step sizes from :mod:`cdsgd.algorithms.step_sizes` and, where one is defined, an AdamW
 local optimizer from :mod:`cdsgd.algorithms.local_optim` (``optimizer="adamw"``).
 """

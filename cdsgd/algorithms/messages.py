@@ -107,7 +107,8 @@ def seeds_for(seed: int, agents, k: int, purpose: str = "compression") -> list[i
     return [derive_seed(seed, purpose, int(j), int(k)) for j in agents]
 
 
-def compressed_mix(mixer, compressor: Compressor, V: torch.Tensor, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def compressed_mix(mixer, compressor: Compressor, V: torch.Tensor,
+                   seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Send q_j = C(v_j) (row j of the L×P stack V, seeded by ``seeds[j]``) to every neighbour; returns
     (q, W q): the held agents' own decoded messages and each one's weighted sum Σ_l w_jl q_l of what it holds.
 

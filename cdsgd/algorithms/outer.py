@@ -11,7 +11,7 @@ Every step is an inner step x_j ← x_j − α_k d_j; every H-th step (k + 1 ≡
 
                 Δ_j = φ_j − x_j                                         (the pseudo-gradient: sent)
                 Δ̄_j = (1/N) Σ_l Δ_l    (``outer_mixing="allreduce"``)  or  Σ_l w_jl Δ_l  (``"graph"``)
-                m_j ← μ m_j + Δ̄_j;   φ_j ← φ_j − η (Δ̄_j + μ m_j)        (Nesterov, as torch.optim.SGD's)
+                m_j ← μ m_j + Δ̄_j;   φ_j ← φ_j − η (Δ̄_j + μ m_j)    (Nesterov, as torch.optim.SGD's)
                 x_j ← φ_j
 
             All-reduce: one ring all-reduce of P values per outer step (2(N−1)/N·P·e bytes per agent),

@@ -225,7 +225,8 @@ class Algorithm:
              tensor_sizes: list[int] | None = None) -> "Algorithm":
         """Tell the rule the system it runs in (FedAvg needs it) and, when known, the step at which the run
         ends (``total_steps``: a cosine step size's horizon unless ``lr_decay_steps`` is given) and the sizes
-        of the model's parameter tensors in flat order (``tensor_sizes``: Streaming DiLoCo's fragments). Returns self."""
+        of the model's parameter tensors in flat order (``tensor_sizes``: Streaming DiLoCo's fragments).
+        Returns self."""
         self.n_agents, self.steps_per_epoch, self.seed = n_agents, steps_per_epoch, seed
         if tensor_sizes is not None:
             self.tensor_sizes = [int(s) for s in tensor_sizes]
