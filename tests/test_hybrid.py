@@ -71,13 +71,20 @@ def test_block_mixing_equals_the_simulators(case, exact):
             torch.testing.assert_close(first, want[agents], rtol=0, atol=1e-13)
             torch.testing.assert_close(second, want2[agents], rtol=0, atol=1e-13)
         torch.testing.assert_close(avg, X[::3].mean(dim=0).expand(per, P), rtol=0, atol=1e-13)
+        if exact:  # the masked mean summed in agent order, bit for bit as the simulator's exact mode
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[::3] = True
+            assert torch.equal(avg, sim.average(X, mask)[agents])
         # per agent: degree × P × 8 bytes per mixing (two mixings), plus the all-reduce's 2(N−1)/N·P·8
         degree = A[agents].sum(axis=1)
         np.testing.assert_allclose(sent.numpy(), 2 * degree * P * 8 + 2 * (n - 1) / n * P * 8)
         # across processes: each held row once to every other rank with an agent that uses it
         owners = np.arange(n) // per
         rows_out = sum(len(set(owners[A[:, j]]) - {r}) for j in agents)
-        assert across == pytest.approx(2 * rows_out * P * 8 + 2 * (world - 1) / world * P * 8)
+        # the all-average: an all-reduce of P values, or in exact mode an all-gather of the block (summed in
+        # agent order on every rank, as the simulator's exact mode sums it)
+        average = (world - 1) * per * P * 8 if exact else 2 * (world - 1) / world * P * 8
+        assert across == pytest.approx(2 * rows_out * P * 8 + average)
         assert neighbours == sorted(set(owners[A[agents].any(axis=0)]) - {r})
         assert halo == len({l for j in agents for l in np.flatnonzero(A[j]) if owners[l] != r})
 
