@@ -278,10 +278,10 @@ def test_the_drawing_of_file_weights_is_not_titled_weight_weights(tmp_path, monk
 @pytest.mark.parametrize("argv,message", [
     (["n_agents=0"], "n_agents must be >= 1 (>= 2 for an algorithm that mixes over a graph), got 0"),
     (["n_agents=1"], "n_agents must be >= 2 with algorithm='cdmsgd', which mixes over a graph (only sgd, msgd, "
-                     "fedavg, local run on 1 agent), got 1"),
+                     "fedavg, local, diloco run on 1 agent), got 1"),
     (["n_agents=1", "topology=one_peer_exponential", "algorithm=dsgt"],
-     "n_agents must be >= 2 with algorithm='dsgt', which mixes over a graph (only sgd, msgd, fedavg, local run on "
-     "1 agent), got 1"),
+     "n_agents must be >= 2 with algorithm='dsgt', which mixes over a graph (only sgd, msgd, fedavg, local, diloco "
+     "run on 1 agent), got 1"),
 ])
 def test_too_few_agents_one_line_naming_n_agents(tmp_path, argv, message):
     r = subprocess.run([sys.executable, "-m", "cdsgd", "run", *argv, f"out={tmp_path / 'o'}"],
