@@ -163,6 +163,13 @@ class DiLoCoAlgorithm(_OuterRule):
                              " (the executors do)")
         return fragment_columns(self.tensor_sizes, self.fragments)
 
+    def bind(self, **system) -> "DiLoCoAlgorithm":
+        """As :meth:`Algorithm.bind`; fragments the model's tensors (``tensor_sizes``) cannot make are refused here."""
+        super().bind(**system)
+        if self.tensor_sizes is not None:
+            self.columns(sum(self.tensor_sizes))
+        return self
+
     def check_mixing(self, W) -> None:
         if self.needs_complete and W is not None:
             dense = np.asarray(W.toarray() if hasattr(W, "toarray") else W, dtype=np.float64)

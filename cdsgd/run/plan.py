@@ -333,8 +333,6 @@ def prepare(cfg: Config, plan: Plan | None = None) -> Parts:
     model = model_fn()  # options that depend on the data's shape fail here (and fragments the model cannot make)
     plan.algorithm.bind(n_agents=cfg.n_agents, steps_per_epoch=1, seed=cfg.seed,
                         tensor_sizes=[p.numel() for p in model.parameters()])
-    if hasattr(plan.algorithm, "columns"):
-        plan.algorithm.columns(sum(p.numel() for p in model.parameters()))
     if len(ds.input_shape) == 2 and not is_import_path(cfg.model) and not isinstance(model, SequenceClassifier):
         note = (f"model {cfg.model!r} reads each padded sequence of {cfg.dataset!r} as one flat vector (lengths "
                 f"and order are lost); the sequence models are lstm, gru and pgru")
