@@ -102,6 +102,9 @@ class Config:
     comm_timeout: float = key(120.0, "seconds any wait on a neighbour or collective may take (torch executor)",
                               above=0, unit=" seconds", volatile=True)
     overlap: bool = key(True, "exchange parameters during the backward pass (False: after it, for measurement)")
+    membership: str = key("fixed", "fixed: a lost peer stops the run (fail-stop) | elastic: agents may leave and "
+                          "come back (network_params churn in the simulator) and the run goes on over those online",
+                          choices=("fixed", "elastic"), identity=True)
     # --- communication graph
     topology: str = key("ring", "builder name (ring, torus, complete, ...), time-varying schedule "
                         "(one_peer_exponential, random_matching) or a graph file path; not used by sgd, msgd, "
@@ -215,7 +218,8 @@ class Config:
     network: str = key("none", "simulated network clock: none | datacenter | lan | wan | edge (a preset), giving "
                        "metrics.csv's sim_seconds; network_params alone defines a custom one", identity=True)
     network_params: dict = key({}, "overrides of the network: bandwidth_mbps, latency_ms, compute_ms (absent: "
-                               "measured), stragglers, straggler_slowdown, drop, link_failure, agents_per_host")
+                               "measured), stragglers, straggler_slowdown, drop, link_failure, agents_per_host, "
+                               "churn, churn_down_steps, churn_trace")
     target_accuracy: float = key(0.0, "a test accuracy to reach: summary.json and the sweep's results.csv give the "
                                  "steps and simulated seconds to it (0: off)", low=0, note=" (0 means off)")
     target_loss: float = key(0.0, "a test loss to reach (nats per token for text): summary.json and the sweep's "

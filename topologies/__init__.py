@@ -23,6 +23,7 @@ import networkx as nx
 
 from .builders import BUILDERS, build, builder_params, draw_seed
 from .io import FORMATS, load
+from .membership import REGULAR_ONLY_RULES, Surviving, surviving_mixing
 from .mixing import COLUMN_RULES, DENSE_UP_TO, RULES, TOL, mixing_matrix, validate
 from .spectral import (EFFECTIVE_DECAY, GAP_TOL, SPARSE_EIGEN_FROM, SpectralGap, effective_neighbours, format_gap,
                        is_periodic, mixing_warnings, smallest_eigenvalue, spectral_gap)
@@ -37,6 +38,7 @@ __all__ = [
     "EFFECTIVE_DECAY",
     "FORMATS",
     "GAP_TOL",
+    "REGULAR_ONLY_RULES",
     "RULES",
     "SCHEDULES",
     "SPARSE_EIGEN_FROM",
@@ -44,6 +46,7 @@ __all__ = [
     "Registry",
     "Schedule",
     "SpectralGap",
+    "Surviving",
     "build",
     "builder_params",
     "describe",
@@ -64,6 +67,7 @@ __all__ = [
     "smallest_eigenvalue",
     "spanning_tree",
     "spectral_gap",
+    "surviving_mixing",
     "unknown_name_error",
     "validate",
 ]

@@ -59,6 +59,7 @@ class ADPSGDAlgorithm(_LocalMomentum, Algorithm):
 
     name, traffic = "adpsgd", "neighbours"
     why_not_periodic = "it is asynchronous: every event is one pairwise exchange"
+    elastic, why_not_elastic = False, "its asynchronous executor has no membership of steps"
     #: runs in :class:`cdsgd.executor.asynchronous.AsyncExecutor`, one gradient application at a time
     asynchronous: ClassVar[bool] = True
     #: a lost exchange is not simulated: networks with ``drop`` or ``link_failure`` are refused

@@ -144,6 +144,7 @@ class D2Algorithm(_LocalMomentum, Algorithm):
 
     name, traffic = "d2", "neighbours"
     why_not_periodic = "its correction x^k − x^{k−1} assumes one W on consecutive steps"
+    elastic, why_not_elastic = False, why_not_periodic
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:
         return {"previous_params": X.detach().clone(), "previous_update": torch.zeros_like(X),

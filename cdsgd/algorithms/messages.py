@@ -204,6 +204,8 @@ class ChocoAlgorithm(_LocalMomentum, Algorithm):
 
     name, traffic = "choco", "neighbours"
     why_not_periodic = "no reference defines compressed gossip with local steps"
+    elastic = False
+    why_not_elastic = "its neighbours keep a public copy of each agent's model that a departure or a return would split"
     #: every agent keeps its neighbours' public copies in step: a lost compressed message would split them
     lost_message = None
 
@@ -270,6 +272,7 @@ class RelaySumAlgorithm(_LocalMomentum, Algorithm):
 
     name, traffic = "relaysum", "neighbours"
     why_not_periodic = "its relayed sums assume a message on every step"
+    elastic, why_not_elastic = False, "its relayed sums pass through every agent of one spanning tree"
     #: the rule runs on a spanning tree of the topology (the run builds it: ``topologies.spanning_tree``)
     needs_tree = True
 

@@ -249,6 +249,7 @@ class NoLoCoAlgorithm(_OuterRule):
 
     name, traffic, vectors_per_step = "noloco", "neighbours", 2
     lost_message = None
+    elastic, why_not_elastic = False, "its random groups are drawn over every agent at each outer step"
     #: the run mixes over ``topologies.schedule("random_groups", N, group_size=..., seed=...)``
     needs_groups = True
 

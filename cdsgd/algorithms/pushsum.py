@@ -60,6 +60,8 @@ class SGPAlgorithm(_LocalMomentum, Algorithm):
     """Stochastic Gradient Push (module docstring): a vector and a scalar per out-neighbour per step."""
 
     name, traffic, lost_message, periodic = "sgp", "neighbours", "lost", True
+    elastic = False
+    why_not_elastic = "a departing agent takes its push-sum weight with it, and no reference defines a return"
     column_stochastic = True
 
     def _init_state(self, X: torch.Tensor, mixer) -> dict:

@@ -191,6 +191,11 @@ class Algorithm:
     periodic: ClassVar[bool] = False
     #: why a rule that is not ``periodic`` refuses local steps (its refusal says it)
     why_not_periodic: ClassVar[str] = "it communicates on every step"
+    #: the rule goes on when agents leave and come back (churn, ``membership = "elastic"``): its state is per
+    #: agent and it mixes with whatever W_k the online agents have (docs/reliability.md)
+    elastic: ClassVar[bool] = True
+    #: why a rule that is not ``elastic`` cannot (its refusal says it)
+    why_not_elastic: ClassVar[str] = ""
     #: the root of the rule's random streams (:meth:`bind` sets the run's; 0 until then)
     seed: int = 0
     #: the model's parameter tensors' sizes in flat order (:meth:`bind`; None until then)
@@ -233,6 +238,13 @@ class Algorithm:
         if total_steps is not None:
             self.step_size.total_steps = total_steps
         return self
+
+    def check_elastic(self) -> None:
+        """Refuse elastic membership (agents that leave and return) for a rule that cannot go on without an agent."""
+        if not self.elastic:
+            takers = ", ".join(n for n in ALGORITHMS if ALGORITHMS.get(n).elastic)
+            raise ValueError(f"membership='elastic' (churn): algorithm {self.name!r} cannot go on when agents leave "
+                             f"and return ({self.why_not_elastic}); elastic membership is for {takers}")
 
     def expect_losses(self) -> None:
         """The run's simulated network loses messages (``drop``, ``link_failure``): a rule whose paper handles

@@ -75,6 +75,7 @@ from . import evaluation
 from .agents import AgentStack, held_mixer
 from .evaluation import Evaluator
 from .gradients import cross_entropy
+from .membership import Membership, build_membership, freeze
 from .meters import Meters
 from .reducer import Reducer
 from .streams import DataFeed, check_shards
@@ -125,6 +126,9 @@ class Executor:
             (:mod:`cdsgd.executor.timing`); its losses change the mixing (simulator only).
         overlap: start the mixing of X before the gradients are computed and
             wait for it after (the default); False starts it after, for measurement.
+        membership: who is online at each step (:class:`~cdsgd.executor.membership.Membership`); by default
+            the churn of ``network`` (``churn``, ``churn_trace``) over the graph of the mixer's matrix with
+            Metropolis weights, else None (everyone, always).
 
     Public state (read it; each step updates it in place):
         X: the L×P stack of the held agents' flat parameters (N×P in the simulator): row i is agent
@@ -137,7 +141,7 @@ class Executor:
 
     def __init__(self, stack: AgentStack, data: DataFeed, mixer, algorithm: Algorithm,
                  reducer: Reducer | None = None, evaluator: Evaluator | None = None, network=None, *,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, membership: Membership | None = None) -> None:
         if not isinstance(algorithm, Algorithm):
             raise ValueError(f"algorithm must be an Algorithm (cdsgd.algorithms.make_algorithm), got "
                              f"{type(algorithm).__name__}; Executor.build takes a name")
@@ -156,6 +160,11 @@ class Executor:
         self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
         self.bytes_across_processes = 0.0
+        if membership is None and getattr(network, "churning", False):
+            algorithm.check_elastic()
+            membership = build_membership(network, self.mixer, seed=stack.seed)
+        #: who is online at each step (churn), or None: every agent at every step
+        self.membership = membership
         if network is not None:
             self.meters.clock = ClockFeed(network, self)
 
@@ -241,25 +250,33 @@ class Executor:
     def step(self) -> float:
         """One synchronous step of every agent held here. Returns their mean batch loss (NaN if none stepped)."""
         t0 = time.perf_counter()
-        alg, X, k, clock = self.algorithm, self.X, self.k, self.meters.clock
-        mixer = alg.step_mixer(self.mixer, k)  # W_k of a schedule, Π = I between periodic gossip's messages
+        alg, X, k, clock, members = self.algorithm, self.X, self.k, self.meters.clock, self.membership
+        online, joins = (None, []) if members is None else members.begin(k, self)  # returning agents copied in
+        base = self.mixer if online is None else members.mixer(k)  # the online agents' mixing
+        mixer = alg.step_mixer(base, k)  # W_k of a schedule, Π = I between periodic gossip's messages
         sent = self.mixer.bytes_sent.clone()
         mixer = mixer if clock is None else clock.mixer(mixer, k)  # the step's lost messages taken out
         mask = alg.participants(k)
-        active = [i for i, j in enumerate(self.agents) if mask is None or bool(mask[j])]
-        handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap else None
+        active = [i for i, j in enumerate(self.agents) if (mask is None or bool(mask[j]))
+                  and (online is None or bool(online[j]))]
+        restore = None if online is None else freeze(self, online)  # the offline agents' rows stay as they are
+        handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap and active else None
         t1 = time.perf_counter()
-        losses = self.gradients.gradients(active, self.data.batches(active))
+        losses = self.gradients.gradients(active, self.data.batches(active)) if active else torch.zeros(0)
         t1 = time.perf_counter() - t1
-        if alg.mixes_params and not self.overlap:
+        if alg.mixes_params and not self.overlap and active:
             handle = alg.start(X, self.state, mixer)
-        alg.update(X, self.gradients.G, self.state, k=k, mixer=mixer, mixed=handle)
+        if active:
+            alg.update(X, self.gradients.G, self.state, k=k, mixer=mixer, mixed=handle)
+        if restore is not None:
+            restore()
         self.k += 1
         losses = losses.detach().double().cpu()
         self.meters.loss.add(active, losses)
         self.meters.nonfinite.check(active, losses, self.X, self.k)
         if clock is not None:
-            clock.record(active, t1, self.mixer.bytes_sent - sent, alg.message_delay(k), getattr(mixer, "phase", None))
+            clock.record(active, t1, self.mixer.bytes_sent - sent, alg.message_delay(k), getattr(mixer, "phase", None),
+                         online=online, joins=joins)
         self.meters.timer.charge(time.perf_counter() - t0)
         return self.last_loss
 
@@ -363,6 +380,7 @@ class Executor:
             "mixer": {"bytes_sent": self.mixer.bytes_sent.clone(), "bytes_across": float(self.mixer.bytes_across)},
             "reducer": {"bytes": float(self.reducer.bytes)},
             "meters": self.meters.state_dict(),
+            **({} if self.membership is None else {"membership": self.membership.state_dict()}),
         }
 
     def load_state_dict(self, saved: dict) -> None:
@@ -386,6 +404,10 @@ class Executor:
         self.mixer.bytes_across = float(saved["mixer"]["bytes_across"])
         self.reducer.bytes = float(saved["reducer"]["bytes"])
         self.meters.load_state_dict(saved["meters"])
+        if self.membership is not None:
+            if "membership" not in saved:
+                raise ValueError("checkpoint state was written without churn, this run has churn (network_params)")
+            self.membership.load_state_dict(saved["membership"])
         self.k = int(saved["k"])
 
     def agent_model(self, j: int) -> nn.Module:

@@ -2,7 +2,8 @@
 
 A row (:data:`METRIC_COLUMNS`) holds the mean train loss since the last
 row, each evaluated agent's test loss and accuracy averaged over the
-evaluated agents, the test accuracy of the average model
+evaluated agents (under churn, over those online at the last step: x̄ and
+the consensus distance too), the test accuracy of the average model
 x̄ = (1/N) Σ_j x_j, the consensus distance sqrt(mean_j ‖x_j − x̄‖²), and the
 mean bytes each agent has sent. Sums over agents go through the executor's
 Reducer, so every process holding agents evaluates together and gets the
@@ -28,7 +29,8 @@ from .meters import ModelStats
 # Every function takes the executor ``ex`` (cdsgd.executor.Executor) that holds the agents.
 
 __all__ = ["CONTRACT_COLUMNS", "EVAL_AGENTS_AUTO", "Evaluator", "METRIC_COLUMNS", "TEXT_COLUMNS", "average_params",
-           "consensus_distance", "default_eval_agents", "eval_params", "evaluate", "pick_agents", "text_figures"]
+           "consensus_distance", "default_eval_agents", "eval_params", "evaluate", "online_agents", "pick_agents",
+           "text_figures"]
 
 #: the columns of the run-output contract, in order (model statistics follow: :data:`METRIC_COLUMNS`)
 CONTRACT_COLUMNS = (
@@ -114,9 +116,24 @@ def default_eval_agents(n: int) -> int | None:
     return None if n <= EVAL_AGENTS_AUTO else EVAL_AGENTS_AUTO
 
 
+def online_agents(ex) -> np.ndarray | None:
+    """The boolean N-vector of the agents online at the executor's last step (churn), or None: all of them."""
+    members = getattr(ex, "membership", None)
+    return None if members is None or members.current.all() else members.current
+
+
+def _online_count(ex) -> int:
+    online = online_agents(ex)
+    return ex.n_agents if online is None else int(online.sum())
+
+
 def _blocks(ex):
-    """The held rows as float64 blocks of about SUM_BLOCK_BYTES (one row at a time in exact mode)."""
+    """The held rows as float64 blocks of about SUM_BLOCK_BYTES (one row at a time in exact mode); under churn
+    the online agents' rows only."""
     X = ex.X.reshape(ex.X.shape[0], -1)
+    online = online_agents(ex)
+    if online is not None:
+        X = X[torch.as_tensor(np.flatnonzero(online[ex.agents]), device=X.device)]
     rows = 1 if ex.exact else max(1, SUM_BLOCK_BYTES // (8 * max(1, X.shape[1])))
     for b0 in range(0, X.shape[0], rows):
         yield X[b0:b0 + rows].double()
@@ -132,7 +149,7 @@ def _total(ex, local: torch.Tensor) -> list[float]:
 
 
 def average_params(ex) -> torch.Tensor:
-    """x̄ = (1/N) Σ_j x_j over all agents (a P-vector).
+    """x̄ = (1/N) Σ_j x_j over all agents (a P-vector); under churn, the mean over the agents online.
 
     Fast mode: float64 block sums, added across processes. Exact mode: the
     rows are added one by one in agent order, across processes too
@@ -149,19 +166,26 @@ def average_params(ex) -> torch.Tensor:
         for block in _blocks(ex):
             local.add_(block.sum(dim=0))
         total = ex.reducer.sum(local)
-    return (total / ex.n_agents).to(ex.dtype)
+    return (total / _online_count(ex)).to(ex.dtype)
 
 
 def _distances(ex, xbar: torch.Tensor) -> torch.Tensor:
-    """‖x_j − x̄‖² of each held agent (float64, on the CPU)."""
+    """‖x_j − x̄‖² of each held agent (float64, on the CPU; 0 for an offline one)."""
     xbar = xbar.double()
-    return torch.cat([((block - xbar) ** 2).sum(dim=1).cpu() for block in _blocks(ex)])
+    online = online_agents(ex)
+    d = [((block - xbar) ** 2).sum(dim=1).cpu() for block in _blocks(ex)]
+    d = torch.cat(d) if d else torch.zeros(0, dtype=torch.float64)
+    if online is None:
+        return d
+    full = torch.zeros(len(ex.agents), dtype=torch.float64)
+    full[torch.as_tensor(np.flatnonzero(online[ex.agents]))] = d
+    return full
 
 
 def consensus_distance(ex, xbar: torch.Tensor | None = None) -> float:
-    """sqrt(mean_j ‖x_j − x̄‖²) over all agents."""
+    """sqrt(mean_j ‖x_j − x̄‖²) over all agents (under churn, those online)."""
     xbar = average_params(ex) if xbar is None else xbar
-    return math.sqrt(_total(ex, _distances(ex, xbar).unsqueeze(1))[0] / ex.n_agents)
+    return math.sqrt(_total(ex, _distances(ex, xbar).unsqueeze(1))[0] / _online_count(ex))
 
 
 @torch.no_grad()
@@ -226,11 +250,14 @@ def _held_figures(ex) -> torch.Tensor:
         for m in models:
             m.eval()
         try:
-            held = [i for i, j in enumerate(ex.agents) if j in ex.evaluator.eval_agents]
+            online = online_agents(ex)
+            held = [i for i, j in enumerate(ex.agents) if j in ex.evaluator.eval_agents
+                    and (online is None or online[j])]
             loss, acc = eval_params(ex, ex.X[held], held)
             per[held, 5], per[held, 6] = torch.as_tensor(loss), torch.as_tensor(acc)
-            if 0 in ex.agents:  # one process evaluates x̄; the sum hands its accuracy to every process
-                i0 = ex.agents.index(0)
+            first = 0 if online is None else int(np.flatnonzero(online)[0]) if online.any() else -1
+            if first in ex.agents:  # one process evaluates x̄; the sum hands its accuracy to every process
+                i0 = ex.agents.index(first)
                 avg_loss, avg_acc = eval_params(ex, xbar.unsqueeze(0), [i0])
                 per[i0, 7], per[i0, 8] = float(avg_acc[0]), float(avg_loss[0])
         finally:
@@ -263,7 +290,7 @@ def evaluate(ex) -> tuple[dict, tuple[int, int, str] | None, float]:
         "test_loss": float("nan"),
         "test_accuracy": float("nan"),
         "test_accuracy_avg_model": float("nan"),
-        "consensus_distance": math.sqrt(dist2 / ex.n_agents),
+        "consensus_distance": math.sqrt(dist2 / _online_count(ex)) if _online_count(ex) else math.nan,
         "bytes_sent_per_agent": sent / ex.n_agents,
         "wall_seconds": ex.meters.timer.train_seconds,
         # the simulated network's clock (cdsgd.executor.timing): one more sum over processes when there is one
@@ -272,7 +299,8 @@ def evaluate(ex) -> tuple[dict, tuple[int, int, str] | None, float]:
         **ModelStats.row(every[:, 11:]),
     }
     if ex.evaluator.test_set is not None:
-        count = len(ex.evaluator.eval_agents)
+        online = online_agents(ex)
+        count = sum(1 for j in ex.evaluator.eval_agents if online is None or online[j])
         row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg,
                    test_loss_avg_model=loss_avg)
     row.update(text_figures(row["test_loss"], row["test_loss_avg_model"], ex.evaluator.bytes_per_token))

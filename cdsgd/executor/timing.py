@@ -85,6 +85,10 @@ class ClockFeed:
         self._sent: list[torch.Tensor] = []
         self._delay: list[int] = []
         self._phase: list[int] = []
+        #: churn (:mod:`cdsgd.executor.membership`): each recorded step's online mask (None: all) and joins
+        self.membership = ex.membership
+        self._online: list[list[bool] | None] = []
+        self._joins: list[list] = []
 
     def mixer(self, mixer: Mixer, k: int) -> Mixer:
         """The mixer of step k with that step's lost messages taken out (the mixer itself if none can be lost)."""
@@ -95,10 +99,10 @@ class ClockFeed:
         return LossyMixer(mixer, g.recv, g.send, g.weight, dropped | failed, self.mode)
 
     def record(self, active: list[int], seconds: float, sent: torch.Tensor, delay: int = 0,
-               phase: int | None = None) -> None:
+               phase: int | None = None, *, online=None, joins=()) -> None:
         """One step: the held agents in ``active`` computed for ``seconds`` together; ``sent``: bytes per held
         agent; ``delay``: the further steps those messages may take, ``phase``: the step of a schedule they went
-        over (:meth:`NetworkClock.advance`)."""
+        over, ``online`` and ``joins``: who took part and who came back (:meth:`NetworkClock.advance`)."""
         c = torch.zeros(self.n_held, dtype=torch.float64)
         if active:
             c[active] = seconds / len(active)
@@ -106,6 +110,8 @@ class ClockFeed:
         self._sent.append(sent.detach().double().cpu())
         self._delay.append(int(delay))
         self._phase.append(-1 if phase is None else int(phase))
+        self._online.append(None if online is None else [bool(v) for v in online])
+        self._joins.append([[int(j), int(d), float(b)] for j, d, b in joins])
 
     def flush(self, reducer) -> float:
         """Advance the clock over the recorded steps (gathered from every process); the simulated seconds."""
@@ -115,18 +121,19 @@ class ClockFeed:
             steps = len(self._compute)
             for s in range(steps):
                 phase = None if self._phase[s] < 0 else self._phase[s]
-                self.clock.advance(every[:, s], every[:, steps + s], delay=self._delay[s], phase=phase)
-            self._compute.clear()
-            self._sent.clear()
-            self._delay.clear()
-            self._phase.clear()
+                if self.membership is not None:
+                    self.membership.timed(self.clock.k, self.clock.seconds)  # a change's time: when it took effect
+                self.clock.advance(every[:, s], every[:, steps + s], delay=self._delay[s], phase=phase,
+                                   online=self._online[s], joins=self._joins[s])
+            for records in (self._compute, self._sent, self._delay, self._phase, self._online, self._joins):
+                records.clear()
         return self.clock.seconds
 
     def state_dict(self) -> dict:
         """The clock's state and the records not yet given to it (a checkpoint between evaluations)."""
         return {"clock": self.clock.state_dict(), "compute": [t.clone() for t in self._compute],
                 "sent": [t.clone() for t in self._sent], "delay": list(self._delay),
-                "phase": list(self._phase)}
+                "phase": list(self._phase), "online": list(self._online), "joins": list(self._joins)}
 
     def load_state_dict(self, state: dict) -> None:
         self.clock.load_state_dict(state["clock"])
@@ -134,4 +141,6 @@ class ClockFeed:
         self._sent = [t.clone() for t in state["sent"]]
         self._delay = list(state.get("delay", [0] * len(self._sent)))  # absent: written before delays existed
         self._phase = list(state.get("phase", [-1] * len(self._sent)))
+        self._online = list(state.get("online", [None] * len(self._sent)))
+        self._joins = list(state.get("joins", [[] for _ in self._sent]))
 

@@ -50,6 +50,14 @@ the same losses (:meth:`NetworkClock.losses`). A lost message is not waited
 for (the receiver is assumed to learn of the loss at once; a timeout is not
 modelled); a dropped one still occupies its sender's uplink.
 
+**Churn** (:mod:`cdsgd.network.churn`). An agent offline at step k
+computes nothing and sends nothing: its start time stays where it was, and
+the messages of its edges are neither sent nor waited for (its neighbours'
+messages are split over the edges that remain). An agent that returns at
+step k first receives its donor's model and state (``bytes``): over the
+donor's uplink from max(u_d, s_d), arriving a latency later, and starts step
+k no earlier than that. An all-reduce spans the agents online.
+
 **Hosts** (``agents_per_host`` = h: agents 0..h−1 share host 0, and so
 on; by default every agent is its own host). The uplink belongs to the
 host: a message between two agents of one host costs nothing (it
@@ -212,28 +220,37 @@ class NetworkClock:
             self.n_agents, self.spec.compute_ms / 1e3)
         return base * self.slowdown
 
-    def advance(self, measured: np.ndarray, sent: np.ndarray, delay: int = 0, phase: int | None = None) -> float:
+    def advance(self, measured: np.ndarray, sent: np.ndarray, delay: int = 0, phase: int | None = None,
+                online: np.ndarray | None = None, joins=()) -> float:
         """Advance by one step: ``measured`` each agent's computation seconds (used when ``compute_ms`` is
         absent; 0 for an agent that did not compute), ``sent`` the bytes each agent sent this step,
         ``delay`` the further steps its messages may take (0: waited for before step k + 1 starts; d: before
         step k + 1 + d, the computation of the d steps between overlapping them); ``phase`` the step of the
-        schedule the messages went over (default k; NoLoCo's groups change once per outer step). Returns
-        :attr:`seconds`."""
+        schedule the messages went over (default k; NoLoCo's groups change once per outer step); ``online``
+        the boolean N-vector of the agents online this step (None: all; **Churn** in the module docstring)
+        and ``joins`` the (agent, donor, bytes) of those that rejoin at its start. Returns :attr:`seconds`."""
         if not (isinstance(delay, (int, np.integer)) and delay >= 0):
             raise ValueError(f"delay must be a whole number of steps >= 0, got {delay!r}")
         landed = [a for due, a in self.pending if due == self.k]
         self.pending = [(due, a) for due, a in self.pending if due != self.k]
         for arrivals in landed:  # messages sent d steps ago are waited for now
             self.start = np.maximum(self.start, arrivals)
+        for agent, donor, n_bytes in joins:  # a returning agent starts once its donor's model has reached it
+            sigma = max(self.uplink[self._host(donor)], self.start[donor])
+            self.uplink[self._host(donor)] = sigma + self.spec.transfer_seconds(n_bytes)
+            self.start[agent] = max(self.start[agent], self.uplink[self._host(donor)] + self.spec.latency)
         c = self.compute_seconds(measured)
+        online = None if online is None else np.asarray(online, dtype=bool)
+        if online is not None:
+            c = np.where(online, c, 0.0)  # an offline agent computes nothing (and sends nothing: its bytes are 0)
         sent = np.asarray(sent, dtype=float)
         done = self.start + c
         if self.traffic == "none" or not sent.any():
             finish = done
         elif self.traffic in ("allreduce", "server"):
-            finish = self._collective(done, sent)
+            finish = self._collective(done, sent, self.n_agents if online is None else int(online.sum()))
         else:
-            finish = self._gossip(c, done, sent, self.k if phase is None else phase)
+            finish = self._gossip(c, done, sent, self.k if phase is None else phase, online)
         if delay and finish is not done:
             self.pending.append((self.k + 1 + int(delay), finish))
             finish = done
@@ -241,26 +258,35 @@ class NetworkClock:
         self.k += 1
         return self.seconds
 
-    def _collective(self, done: np.ndarray, sent: np.ndarray) -> np.ndarray:
+    def _host(self, j: int) -> int:
+        """The index of agent j's uplink (its host's)."""
+        return int(j) if self.hosts is None else int(self.hosts[j])
+
+    def _collective(self, done: np.ndarray, sent: np.ndarray, n: int) -> np.ndarray:
         spec, part = self.spec, sent > 0
         t0 = done[part].max()
-        if self.traffic == "allreduce":
-            t = t0 + spec.transfer_seconds(sent[part].max()) + 2 * (self.n_agents - 1) * spec.latency
+        if self.traffic == "allreduce":  # over the n agents online
+            t = t0 + spec.transfer_seconds(sent[part].max()) + 2 * (n - 1) * spec.latency
         else:  # FedAvg's server star: upload in parallel, then the server sends to each participant in turn
             m = self.message_bytes
             t = t0 + spec.transfer_seconds(m) + spec.latency + spec.transfer_seconds(part.sum() * m) + spec.latency
         self.uplink = np.where(part, t, self.uplink)
         return np.where(part, t, done)
 
-    def _gossip(self, c: np.ndarray, done: np.ndarray, sent: np.ndarray, phase: int) -> np.ndarray:
+    def _gossip(self, c: np.ndarray, done: np.ndarray, sent: np.ndarray, phase: int,
+                online: np.ndarray | None = None) -> np.ndarray:
         spec, g = self.spec, self.graph(phase)
         none = np.zeros(len(g.recv), dtype=bool)  # a rule on its own phases (noloco) never loses messages
         dropped, failed = self.losses(self.k) if spec.lossy else (none, none)
+        out_degree = g.out_degree
+        if online is not None:  # churn: the edges of an offline agent carry nothing, as if failed
+            failed = failed | ~(online[g.recv] & online[g.send])
+            out_degree = np.bincount(g.send[~failed], minlength=self.n_agents).astype(np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
-            size = np.where(g.out_degree > 0, sent / g.out_degree, 0.0)  # one message's bytes, per sender
+            size = np.where(out_degree > 0, sent / out_degree, 0.0)  # one message's bytes, per sender
         tau = size * 8.0 / (spec.bandwidth_mbps * 1e6)
         if self.hosts is not None:
-            return self._gossip_hosts(g, tau, done, sent, dropped, failed)
+            return self._gossip_hosts(g, tau, done, sent, dropped, failed, online)
         sigma = np.maximum(self.uplink, self.start if self.overlap else done)
         # each edge's place among its sender's messages actually sent (failed links send nothing)
         live = (~failed) & (sent[g.send] > 0)
@@ -276,11 +302,18 @@ class NetworkClock:
         np.maximum.at(finish, g.recv[waited], arrive[waited])
         n_sent = np.bincount(g.send[live], minlength=self.n_agents)
         self.uplink = np.where(n_sent > 0, sigma + n_sent * tau, self.uplink)
-        self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
+        self._count_lost(live, dropped, failed, sent, g, online)
         return finish
 
+    def _count_lost(self, live, dropped, failed, sent, g: _Graph, online) -> None:
+        """Add the step's lost messages: dropped ones, and those a failed link stopped (not an offline agent's)."""
+        stopped = failed & (sent[g.send] > 0)
+        if online is not None:
+            stopped &= online[g.recv] & online[g.send]
+        self.lost_messages += int((live & dropped).sum() + stopped.sum())
+
     def _gossip_hosts(self, g: _Graph, tau: np.ndarray, done: np.ndarray, sent: np.ndarray, dropped: np.ndarray,
-                      failed: np.ndarray) -> np.ndarray:
+                      failed: np.ndarray, online: np.ndarray | None = None) -> np.ndarray:
         """The gossip step with uplinks per host (the module docstring's **Hosts**)."""
         ready = self.start if self.overlap else done
         live = (~failed) & (sent[g.send] > 0)
@@ -294,7 +327,7 @@ class NetworkClock:
         waited = live & ~dropped
         finish = done.copy()
         np.maximum.at(finish, g.recv[waited], arrive[waited])
-        self.lost_messages += int((live & dropped).sum() + (failed & (sent[g.send] > 0)).sum())
+        self._count_lost(live, dropped, failed, sent, g, online)
         return finish
 
     # ------------------------------------------------------------- checkpoint

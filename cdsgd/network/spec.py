@@ -1,7 +1,8 @@
 """What a simulated network is: presets, their parameters, and the one check of a user's values.
 
 A network is an uplink bandwidth per agent, a one-way latency, a computation
-time per step, stragglers, and two kinds of loss. ``network = "none"`` (the
+time per step, stragglers, two kinds of loss, and churn (agents that go
+offline and come back: :mod:`cdsgd.network.churn`). ``network = "none"`` (the
 default) turns the simulated clock off; a preset name turns it on with the
 preset's values; ``network_params`` overrides any of them, and given alone
 defines a custom network whose other keys take :data:`DEFAULTS`::
@@ -9,7 +10,7 @@ defines a custom network whose other keys take :data:`DEFAULTS`::
     >>> network_spec("edge").bandwidth_mbps, network_spec("edge").latency_ms
     (10.0, 25.0)
     >>> network_spec("none", {"bandwidth_mbps": 100, "latency_ms": 5, "compute_ms": 0})
-    NetworkSpec(name='custom', bandwidth_mbps=100.0, latency_ms=5.0, compute_ms=0.0, stragglers=0.0, straggler_slowdown=4.0, drop=0.0, link_failure=0.0, agents_per_host=1)
+    NetworkSpec(name='custom', bandwidth_mbps=100.0, latency_ms=5.0, compute_ms=0.0, stragglers=0.0, straggler_slowdown=4.0, drop=0.0, link_failure=0.0, agents_per_host=1, churn=0.0, churn_down_steps=20.0, churn_trace=None)
     >>> network_spec("none") is None
     True
     >>> network_spec("lna")
@@ -59,6 +60,9 @@ DEFAULTS = {
     "drop": 0.0,
     "link_failure": 0.0,
     "agents_per_host": 1,
+    "churn": 0.0,
+    "churn_down_steps": 20.0,
+    "churn_trace": None,
 }
 
 #: the keys of ``network_params`` and what each means (docs and errors)
@@ -72,6 +76,9 @@ NETWORK_KEYS = {
     "link_failure": "probability that an edge is down for one step, both directions ([0, 1))",
     "agents_per_host": "agents 0..h-1, h..2h-1, ... share one host's uplink; messages within a host cost nothing "
                        "(an integer >= 1)",
+    "churn": "fraction of steps each agent is offline, seeded (needs membership = \"elastic\"; [0, 1))",
+    "churn_down_steps": "mean length in steps of an agent's offline periods under churn (>= 1)",
+    "churn_trace": "a CSV of offline intervals (agent,leave_step,return_step) instead of seeded churn",
 }
 
 #: the named networks (docs: the table in this module's docstring and docs/network.md)
@@ -96,6 +103,14 @@ class NetworkSpec:
     drop: float
     link_failure: float
     agents_per_host: int = 1
+    churn: float = 0.0
+    churn_down_steps: float = 20.0
+    churn_trace: str | None = None
+
+    @property
+    def churning(self) -> bool:
+        """Whether agents go offline and come back (``churn`` > 0 or a ``churn_trace``)."""
+        return self.churn > 0 or self.churn_trace is not None
 
     @property
     def lossy(self) -> bool:
@@ -117,8 +132,12 @@ class NetworkSpec:
 
 
 def _check_value(key: str, value) -> float | int | None:
-    if key == "compute_ms" and value is None:
+    if key in ("compute_ms", "churn_trace") and value is None:
         return None
+    if key == "churn_trace":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"network_params.{key} must be a path to a CSV file, got {value!r} ({NETWORK_KEYS[key]})")
+        return value
     if key == "agents_per_host":
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"network_params.{key} must be an integer >= 1, got {value!r} ({NETWORK_KEYS[key]})")
@@ -128,7 +147,7 @@ def _check_value(key: str, value) -> float | int | None:
     v = float(value)
     ok = {"bandwidth_mbps": 0 < v < math.inf, "latency_ms": 0 <= v < math.inf, "compute_ms": 0 <= v < math.inf,
           "stragglers": 0 <= v <= 1, "straggler_slowdown": 1 <= v < math.inf, "drop": 0 <= v < 1,
-          "link_failure": 0 <= v < 1}[key]
+          "link_failure": 0 <= v < 1, "churn": 0 <= v < 1, "churn_down_steps": 1 <= v < math.inf}[key]
     if not ok:
         raise ValueError(f"network_params.{key} = {value!r} is out of range: {NETWORK_KEYS[key]}")
     return v
@@ -153,5 +172,8 @@ def network_spec(name: str = "none", params: dict | None = None) -> NetworkSpec 
         return None
     values = {**DEFAULTS, **PRESETS.get(name, {}), **params}
     checked = {k: _check_value(k, values[k]) for k in NETWORK_KEYS}
+    if checked["churn"] and checked["churn_trace"] is not None:
+        raise ValueError(f"network_params gives churn = {checked['churn']:g} and churn_trace = "
+                         f"{checked['churn_trace']!r}: give one (seeded churn, or the trace of who is offline when)")
     return NetworkSpec(name="custom" if name == "none" else name, **checked)
 

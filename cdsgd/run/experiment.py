@@ -11,6 +11,10 @@ partitions the data, builds the model, runs the executor and writes, into
     the columns ``epoch, step, train_loss, test_loss, test_accuracy,
     test_accuracy_avg_model, consensus_distance, bytes_sent_per_agent,
     wall_seconds``; each row is flushed to disk as soon as it exists;
+``membership.csv``
+    under churn (``membership = "elastic"``), one row per step at which
+    agents left or came back: :data:`~cdsgd.executor.membership.MEMBERSHIP_COLUMNS`
+    (rewritten whole at each evaluation);
 ``summary.json``
     the final row, ``best_test_accuracy``, the config identity (algorithm,
     topology, n_agents, mixing, dataset, partition, model, seed), the
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import io
 import json
 import math
 import os
@@ -48,6 +53,7 @@ from ..base.comm import CommError
 from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
 from ..executor import METRIC_COLUMNS, Diverged, Executor
+from ..executor.membership import MEMBERSHIP_COLUMNS
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
 from .hints import diverged_hint, eval_hint, resume_hint
@@ -252,6 +258,22 @@ def _announce(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, t
         summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in plan.graph.edges())
 
 
+def write_membership(out: Path | None, sim: Executor) -> None:
+    """membership.csv in ``out`` (rank 0; None: nothing), when the run has a membership that changes."""
+    members = getattr(sim, "membership", None)
+    if out is None or members is None:
+        return
+
+    def write(f) -> None:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(MEMBERSHIP_COLUMNS), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in r.items()} for r in members.rows)
+        f.write(text.getvalue().encode())
+
+    atomic_write(out / "membership.csv", write)
+
+
 class _MetricsFile:
     """metrics.csv of rank 0 (nothing elsewhere): the header and any earlier rows, then each row flushed to disk."""
 
@@ -290,6 +312,7 @@ class _Loop:
         self.rows.append(row)
         self.board.row(row)
         self.metrics.write(row)
+        write_membership(self.out if self.group.rank == 0 else None, self.sim)
         text = math.isfinite(row.get("test_bits_per_byte", math.nan))  # a language model: its loss, in bits per byte
         self.shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
                        + (f"test_bpb {row['test_bits_per_byte']:.4f}  avg_model_bpb {row['test_bits_per_byte_avg_model']:.4f}  "

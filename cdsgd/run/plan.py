@@ -52,6 +52,7 @@ from ..executor import AgentStack, DataFeed, Evaluator, Executor
 from ..executor.asynchronous import check_asynchronous, executor_class
 from ..executor.evaluation import default_eval_agents
 from ..executor.timing import check_network
+from ..executor.membership import build_membership, check_membership
 from ..models import MODELS, SequenceClassifier, build_model, check_model_options, import_callable, is_import_path
 from .graphs import baseline_gap, own_graph, plan_topology, uses_graph
 from .logger import check_logger
@@ -171,6 +172,8 @@ def validate_config(cfg: Config) -> Plan:
     network = network_spec(cfg.network, cfg.network_params)
     check_asynchronous(network, algorithm, in_one_process=cfg.executor == "sim")  # adpsgd: sim, compute_ms given
     check_network(network, algorithm, in_one_process=cfg.executor == "sim")
+    check_membership(cfg.membership, network, algorithm, n_agents=cfg.n_agents, executor=cfg.executor,
+                     mixing=cfg.mixing, schedule=cfg.topology in topologies.SCHEDULES.names())
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
     if uses_graph(algorithm):
         # the graph and its mixing matrix (cheap): a bad graph file fails here, before an output folder exists
@@ -360,8 +363,12 @@ def build_executor(cfg: Config, parts: Parts, group) -> Executor:
                           eval_samples=cfg.eval_samples or None, eval_batch_size=cfg.eval_batch_size, seed=cfg.seed,
                           device=stack.device, bytes_per_token=parts.dataset.bytes_per_token)
     mixer = group.mixer(parts.W, exact=cfg.exact, n_agents=n)
+    network = parts.plan.network
+    members = None if network is None or not network.churning else build_membership(
+        network, mixer, seed=cfg.seed, graph=parts.graph, rule=cfg.mixing)
+    extra = {} if members is None else {"membership": members}  # (the asynchronous executor has none)
     return executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
-                               parts.plan.network, overlap=cfg.overlap)  # AsyncExecutor for adpsgd
+                               network, overlap=cfg.overlap, **extra)  # AsyncExecutor for adpsgd
 
 
 def _bucketed_streams(cfg: Config, ds, shards) -> dict:

@@ -100,6 +100,8 @@ def summary_end(summary: dict, cfg: Config, sim: Executor, rows: list[dict], sec
     summary["simulated_seconds"] = json_number(final.get("sim_seconds", float("nan")))
     if sim.clock is not None:
         summary["lost_messages"] = sim.clock.clock.lost_messages
+    if getattr(sim, "membership", None) is not None:
+        summary.update(sim.membership.summary())  # churn: changes, departures, returns, agents online
     if cfg.target_accuracy:
         summary.update(to_target(rows, cfg.target_accuracy))
     if cfg.target_loss:
