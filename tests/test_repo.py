@@ -34,7 +34,8 @@ def test_topologies_does_not_import_torch():
      "cdsgd.executor.meters", "cdsgd.executor.streams", "cdsgd.executor.agents", "cdsgd.run.summary",
      "cdsgd.executor.door",
      "cdsgd.executor.asynchronous", "cdsgd.algorithms.outer", "cdsgd.run.graphs", "cdsgd.mixers.schedule",
-     "cdsgd.mixers.base", "topologies.schedules"],
+     "cdsgd.mixers.base", "topologies.schedules", "topologies.membership", "cdsgd.network.churn",
+     "cdsgd.executor.membership"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -75,7 +75,7 @@ from . import evaluation
 from .agents import AgentStack, held_mixer
 from .evaluation import Evaluator
 from .gradients import cross_entropy
-from .membership import Membership, build_membership, freeze
+from .membership import Membership, build_membership, check_membership, freeze
 from .meters import Meters
 from .reducer import Reducer
 from .streams import DataFeed, check_shards
@@ -126,9 +126,6 @@ class Executor:
             (:mod:`cdsgd.executor.timing`); its losses change the mixing (simulator only).
         overlap: start the mixing of X before the gradients are computed and
             wait for it after (the default); False starts it after, for measurement.
-        membership: who is online at each step (:class:`~cdsgd.executor.membership.Membership`); by default
-            the churn of ``network`` (``churn``, ``churn_trace``) over the graph of the mixer's matrix with
-            Metropolis weights, else None (everyone, always).
 
     Public state (read it; each step updates it in place):
         X: the L×P stack of the held agents' flat parameters (N×P in the simulator): row i is agent
@@ -136,12 +133,14 @@ class Executor:
             de-biased z_j. The executor's own buffer: ``X.clone()`` keeps a snapshot.
         state: the rule's per-agent state (momentum, trackers, ...).
         k: the steps taken. meters: :class:`~cdsgd.executor.meters.Meters`.
+        membership: who is online at each step under churn (:class:`~cdsgd.executor.membership.Membership`),
+            else None.
         push_sum_weights: push-sum's weights w_j (``sgp``: numerators ``X[i] * w_j``), else None.
     """
 
     def __init__(self, stack: AgentStack, data: DataFeed, mixer, algorithm: Algorithm,
                  reducer: Reducer | None = None, evaluator: Evaluator | None = None, network=None, *,
-                 overlap: bool = True, membership: Membership | None = None) -> None:
+                 overlap: bool = True) -> None:
         if not isinstance(algorithm, Algorithm):
             raise ValueError(f"algorithm must be an Algorithm (cdsgd.algorithms.make_algorithm), got "
                              f"{type(algorithm).__name__}; Executor.build takes a name")
@@ -160,11 +159,15 @@ class Executor:
         self.diverged: tuple[int, int, str] | None = None
         #: training bytes all processes have sent to other processes (set by each evaluation)
         self.bytes_across_processes = 0.0
-        if membership is None and getattr(network, "churning", False):
-            algorithm.check_elastic()
-            membership = build_membership(network, self.mixer, seed=stack.seed)
-        #: who is online at each step (churn), or None: every agent at every step
-        self.membership = membership
+        #: who is online at each step (:class:`~cdsgd.executor.membership.Membership`): the churn of ``network``
+        #: (``churn``, ``churn_trace``) over the graph of the mixer's matrix with Metropolis weights (``cdsgd
+        #: run`` sets the run's graph and weight rule before the first step), else None: all, always
+        self.membership: Membership | None = None
+        if getattr(network, "churning", False):
+            check_membership("elastic", network, algorithm, n_agents=stack.n_agents, mixing="metropolis",
+                             executor="sim" if len(stack.ids) == stack.n_agents else "torch",
+                             schedule=hasattr(self.mixer.matrix, "period"))
+            self.membership = build_membership(network, self.mixer, seed=stack.seed)
         if network is not None:
             self.meters.clock = ClockFeed(network, self)
 

@@ -132,6 +132,7 @@ class Membership:
                 s = topologies.surviving_mixing(self.graph, online, self.rule,
                                                 sparse=self.n_agents > topologies.DENSE_UP_TO)
                 gossip = make_mixer(s.W, exact=self.base.exact, validated=True)
+                gossip.bytes_sent = self.base.bytes_sent  # one counter: the run's
                 self._mixers[key] = (OnlineMixer(gossip, self.base, online), s)
             if len(self._mixers) > _CACHED:
                 self._mixers.popitem(last=False)

@@ -85,8 +85,8 @@ class ClockFeed:
         self._sent: list[torch.Tensor] = []
         self._delay: list[int] = []
         self._phase: list[int] = []
-        #: churn (:mod:`cdsgd.executor.membership`): each recorded step's online mask (None: all) and joins
-        self.membership = ex.membership
+        self._ex = ex  # its membership (churn, :mod:`cdsgd.executor.membership`) learns when its changes took effect
+        # each recorded step's online mask (None: all) and returning agents
         self._online: list[list[bool] | None] = []
         self._joins: list[list] = []
 
@@ -121,8 +121,8 @@ class ClockFeed:
             steps = len(self._compute)
             for s in range(steps):
                 phase = None if self._phase[s] < 0 else self._phase[s]
-                if self.membership is not None:
-                    self.membership.timed(self.clock.k, self.clock.seconds)  # a change's time: when it took effect
+                if self._ex.membership is not None:
+                    self._ex.membership.timed(self.clock.k, self.clock.seconds)  # a change's time: when it took effect
                 self.clock.advance(every[:, s], every[:, steps + s], delay=self._delay[s], phase=phase,
                                    online=self._online[s], joins=self._joins[s])
             for records in (self._compute, self._sent, self._delay, self._phase, self._online, self._joins):

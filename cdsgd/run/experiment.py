@@ -252,8 +252,9 @@ def _announce(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, t
     if sim.clock is not None:
         clock = sim.clock.clock
         summary.update(network_params_used=clock.spec.params(), stragglers=np.flatnonzero(clock.straggler).tolist())
-        log(f"simulated network {clock.spec.name}: " + ", ".join(f"{k} {v:g}" for k, v in clock.spec.params().items()
-                                                                  if v is not None) + " (sim_seconds in metrics.csv)")
+        log(f"simulated network {clock.spec.name}: " + ", ".join(
+            f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in clock.spec.params().items()
+            if v is not None) + " (sim_seconds in metrics.csv)")
     if getattr(plan.algorithm, "needs_tree", False):
         summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in plan.graph.edges())
 

@@ -363,12 +363,11 @@ def build_executor(cfg: Config, parts: Parts, group) -> Executor:
                           eval_samples=cfg.eval_samples or None, eval_batch_size=cfg.eval_batch_size, seed=cfg.seed,
                           device=stack.device, bytes_per_token=parts.dataset.bytes_per_token)
     mixer = group.mixer(parts.W, exact=cfg.exact, n_agents=n)
-    network = parts.plan.network
-    members = None if network is None or not network.churning else build_membership(
-        network, mixer, seed=cfg.seed, graph=parts.graph, rule=cfg.mixing)
-    extra = {} if members is None else {"membership": members}  # (the asynchronous executor has none)
-    return executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
-                               network, overlap=cfg.overlap, **extra)  # AsyncExecutor for adpsgd
+    ex = executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
+                             parts.plan.network, overlap=cfg.overlap)  # AsyncExecutor for adpsgd
+    if getattr(ex, "membership", None) is not None:  # churn: over the run's graph, with its weight rule
+        ex.membership = build_membership(parts.plan.network, mixer, seed=cfg.seed, graph=parts.graph, rule=cfg.mixing)
+    return ex
 
 
 def _bucketed_streams(cfg: Config, ds, shards) -> dict:
