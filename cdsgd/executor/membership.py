@@ -27,8 +27,9 @@ Example (a ring of 4 in which agent 2 is offline at steps 1 and 2)::
     >>> from cdsgd.mixers import make_mixer
     >>> G = topologies.build("ring", 4)
     >>> m = Membership(MembershipTrace(4, [(2, 1, 3)]), G, "metropolis", make_mixer(topologies.mixing_matrix(G)))
-    >>> m.online(1).tolist(), m.mixer(1).mix(torch.arange(4.0).unsqueeze(1)).squeeze(1).tolist()
-    ([True, True, False, True], [1.3333333333333333, 0.6666666666666666, 2.0, 2.0])
+    >>> x = torch.arange(4.0, dtype=torch.float64).unsqueeze(1)
+    >>> m.online(1).tolist(), [round(v, 4) for v in m.mixer(1).mix(x).squeeze(1).tolist()]   # the path 3-0-1
+    ([True, True, False, True], [1.3333, 0.6667, 2.0, 2.0])
 """
 
 from __future__ import annotations
