@@ -225,7 +225,7 @@ def test_the_clock_skips_an_offline_agent_and_charges_a_return_over_the_donors_u
                                              r"agents leave and return \(its correction .*\); elastic membership "
                                              r"is for .*cdmsgd"),
     (["membership=elastic", "algorithm=relaysum"], r"relayed sums pass through every agent"),
-    (["membership=elastic", "executor=torch"], r"^membership = 'elastic' runs in the simulator"),
+    (["membership=elastic", "executor=torch"], r"^membership = 'elastic' with executor = 'torch' follows the churn "),
     (["membership=elastic", "network_params={churn=0.1, churn_trace='t.csv'}"], r"give one"),
     (["membership=elastic", "network_params={churn=0.1}", "mixing=uniform"], r"^mixing = 'uniform' is doubly"),
     (["membership=elastic", "network_params={churn=0.1}", "topology=one_peer_exponential", "n_agents=4"],

@@ -263,13 +263,14 @@ class Executor:
         active = [i for i, j in enumerate(self.agents) if (mask is None or bool(mask[j]))
                   and (online is None or bool(online[j]))]
         restore = None if online is None else freeze(self, online)  # the offline agents' rows stay as they are
-        handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap and active else None
+        anyone = online is None or bool(online.any())  # (every process decides alike: exchanges pair up)
+        handle = alg.start(X, self.state, mixer) if alg.mixes_params and self.overlap and anyone else None
         t1 = time.perf_counter()
         losses = self.gradients.gradients(active, self.data.batches(active)) if active else torch.zeros(0)
         t1 = time.perf_counter() - t1
-        if alg.mixes_params and not self.overlap and active:
+        if alg.mixes_params and not self.overlap and anyone:
             handle = alg.start(X, self.state, mixer)
-        if active:
+        if anyone:
             alg.update(X, self.gradients.G, self.state, k=k, mixer=mixer, mixed=handle)
         if restore is not None:
             restore()

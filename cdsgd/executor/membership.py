@@ -46,7 +46,8 @@ import topologies
 from ..mixers import Handle, Mixer, make_mixer
 from ..mixers.base import allreduce_bytes, result_tensor
 
-__all__ = ["MEMBERSHIP_COLUMNS", "Membership", "OnlineMixer", "build_membership", "check_membership", "freeze"]
+__all__ = ["MEMBERSHIP_COLUMNS", "Membership", "OnlineMixer", "build_membership", "check_membership", "freeze",
+           "per_agent"]
 
 #: the columns of membership.csv, one row per step at which the membership changed
 MEMBERSHIP_COLUMNS = ("step", "sim_seconds", "wall_seconds", "left", "joined", "donors", "online", "parts",
@@ -74,11 +75,21 @@ class OnlineMixer(Mixer):
     bytes_across = property(lambda self: self.base.bytes_across)
     edges = property(lambda self: self.gossip.edges)
 
+    def _counted(self, post):
+        """Run ``post()`` on the gossip mixer; what it sent to other processes goes to the run's count."""
+        if self.gossip is self.base:
+            return post()
+        before = self.gossip.bytes_across
+        handle = post()
+        self.base.bytes_across += self.gossip.bytes_across - before
+        self.gossip.bytes_across = before
+        return handle
+
     def start(self, X: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
-        return self.gossip.start(X, out=out)
+        return self._counted(lambda: self.gossip.start(X, out=out))
 
     def exchange(self, M: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
-        return self.gossip.exchange(M, out=out)
+        return self._counted(lambda: self.gossip.exchange(M, out=out))
 
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,13 +110,14 @@ class Membership:
         trace: a :class:`~cdsgd.network.MembershipTrace`.
         graph: the run's graph (None for the rules that mix with no graph).
         rule: the run's weight rule (``mixing``), applied to the surviving subgraph.
-        mixer: the run's mixer over all agents (its bytes counter is the run's).
+        mixer: the run's mixer of the agents held here (its bytes counters are the run's).
+        make: builds the mixer of a surviving matrix for the agents held here (default:
+            ``make_mixer(W, exact=mixer.exact, validated=True)``; the runtime's group gives its BlockMixer's).
     """
 
-    def __init__(self, trace, graph: nx.Graph | None, rule: str, mixer: Mixer) -> None:
-        if list(mixer.agents) != list(range(mixer.n_agents)):
-            raise ValueError("churn is simulated with every agent in one process (executor=sim)")
+    def __init__(self, trace, graph: nx.Graph | None, rule: str, mixer: Mixer, make=None) -> None:
         self.trace, self.graph, self.rule, self.base = trace, graph, rule, mixer
+        self.make = make if make is not None else (lambda W: make_mixer(W, exact=mixer.exact, validated=True))
         self.n_agents = mixer.n_agents
         self._mixers: OrderedDict[bytes, tuple[Mixer, topologies.Surviving | None]] = OrderedDict()
         self._online: tuple[int, np.ndarray] | None = None
@@ -132,7 +144,7 @@ class Membership:
             else:
                 s = topologies.surviving_mixing(self.graph, online, self.rule,
                                                 sparse=self.n_agents > topologies.DENSE_UP_TO)
-                gossip = make_mixer(s.W, exact=self.base.exact, validated=True)
+                gossip = self.make(s.W)
                 gossip.bytes_sent = self.base.bytes_sent  # one counter: the run's
                 self._mixers[key] = (OnlineMixer(gossip, self.base, online), s)
             if len(self._mixers) > _CACHED:
@@ -163,11 +175,7 @@ class Membership:
             return (None if online.all() else online), []
         left = np.flatnonzero(before & ~online).tolist()
         joined = np.flatnonzero(~before & online).tolist()
-        joins = []
-        for j in joined:
-            d = self.donor(j, k)
-            if d >= 0:
-                joins.append((j, d, self._copy(ex, j, d)))
+        joins = self._copy(ex, [(j, self.donor(j, k)) for j in joined])
         s = None if online.all() else self._surviving(online)[1]
         gap = float("nan") if self.graph is None else (
             topologies.spectral_gap(self.base.matrix).gap if s is None else s.gap.gap)
@@ -177,16 +185,19 @@ class Membership:
                           "parts": 1 if s is None else len(s.parts), "spectral_gap": gap})
         return (None if online.all() else online), joins
 
-    def _copy(self, ex, j: int, d: int) -> float:
-        """Agent j takes agent d's parameters and rule state; the bytes that took (one message of d's)."""
-        n_bytes = 0.0
-        with torch.no_grad():
-            for t in (ex.X, *ex.state.values()):
-                if t.dim() and t.shape[0] == len(ex.agents):
-                    t[j] = t[d]
-                    n_bytes += t[d].numel() * t.element_size()
-        self.base.bytes_sent[d] += n_bytes
-        return n_bytes
+    def _copy(self, ex, moves: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
+        """Each returning agent j with a donor d (d >= 0) takes d's parameters and rule state (across processes
+        too: :meth:`Mixer.move_rows`); returns the joins (j, d, bytes of that one message of d's)."""
+        moves = [(j, d) for j, d in moves if d >= 0]
+        if not moves:
+            return []
+        stacks = per_agent(ex)
+        n_bytes = float(sum(t[0].numel() * t.element_size() for t in stacks))
+        self.base.move_rows(moves, stacks)
+        for _, d in moves:
+            if d in ex.agents:
+                self.base.bytes_sent[ex.agents.index(d)] += n_bytes
+        return [(j, d, n_bytes) for j, d in moves]
 
     def timed(self, k: int, seconds: float) -> None:
         """The clock reached step k at ``seconds``: the change recorded at k gets its simulated time."""
@@ -227,10 +238,11 @@ def check_membership(membership: str, spec, algorithm, *, n_agents: int, executo
     if membership != "elastic":
         return
     algorithm.check_elastic()
-    if executor != "sim":
-        raise ValueError(f"membership = 'elastic' runs in the simulator (executor = 'sim'); with executor = "
-                         f"{executor!r} a lost rank still stops the run (docs/reliability.md)")
     if not churning:
+        if executor != "sim":
+            raise ValueError(f"membership = 'elastic' with executor = {executor!r} follows the churn of "
+                             "network_params (churn or churn_trace), and none is given; a rank that dies still "
+                             "stops the run (docs/reliability.md)")
         return
     if spec.lossy:
         raise ValueError(f"network_params churn with drop = {spec.drop:g}, link_failure = {spec.link_failure:g}: "
@@ -247,10 +259,11 @@ def check_membership(membership: str, spec, algorithm, *, n_agents: int, executo
         load_trace(spec.churn_trace, n_agents)
 
 
-def build_membership(spec, mixer: Mixer, *, seed: int, graph: nx.Graph | None = None,
-                     rule: str = "metropolis") -> Membership:
+def build_membership(spec, mixer: Mixer, *, seed: int, graph: nx.Graph | None = None, rule: str = "metropolis",
+                     make=None) -> Membership:
     """The :class:`Membership` of a churning network ``spec`` (``churn`` or ``churn_trace``) over ``mixer``:
-    the graph is ``graph``, or that of ``mixer.matrix``'s non-zeros (None for a mixer without one)."""
+    the graph is ``graph``, or that of ``mixer.matrix``'s non-zeros (None for a mixer without one); ``make``
+    as :class:`Membership`'s."""
     from ..network import load_trace, random_churn
 
     n = mixer.n_agents
@@ -260,13 +273,18 @@ def build_membership(spec, mixer: Mixer, *, seed: int, graph: nx.Graph | None = 
         if topologies.Schedule is type(mixer.matrix) or hasattr(mixer.matrix, "period"):
             raise ValueError("churn re-weights one fixed graph; a time-varying schedule cannot lose agents")
         graph = topologies.graph_of(mixer.matrix)
-    return Membership(trace, graph, rule, mixer)
+    return Membership(trace, graph, rule, mixer, make)
+
+
+def per_agent(ex) -> list[torch.Tensor]:
+    """The stacks with one row per held agent: X and the rule's per-agent state (what a returning agent takes)."""
+    return [t for t in (ex.X, *ex.state.values()) if t.dim() and t.shape[0] == len(ex.agents)]
 
 
 def freeze(ex, online: np.ndarray):
     """Keep the offline agents' rows of X and of the rule's state; returns what puts them back after the step."""
     off = torch.as_tensor(np.flatnonzero(~online[ex.agents]), device=ex.X.device)
-    tensors = [t for t in (ex.X, *ex.state.values()) if t.dim() and t.shape[0] == len(ex.agents)]
+    tensors = per_agent(ex)
     kept = [t.index_select(0, off) for t in tensors]
 
     def restore() -> None:

@@ -190,6 +190,22 @@ class Mixer(abc.ABC):
         raise NotImplementedError(f"mixer {type(self).__name__} has no per-edge messages (edges/exchange); "
                                   "MatrixMixer and the runtime's BlockMixer have them")
 
+    def move_rows(self, moves: Sequence[tuple[int, int]], stacks: Sequence[torch.Tensor]) -> float:
+        """Copy agent d's row of every stack into agent j's, for each ``(j, d)`` of ``moves`` in turn (a returning
+        agent taking its donor's model and state, :mod:`cdsgd.executor.membership`); returns the bytes this
+        process sent to other processes for it. Here every agent is held: local copies; the runtime's
+        :class:`~cdsgd.runtime.BlockMixer` sends the rows between processes."""
+        index = {a: i for i, a in enumerate(self.agents)}
+        missing = [a for move in moves for a in move if a not in index]
+        if missing:
+            raise ValueError(f"{type(self).__name__} does not hold agent {missing[0]}: moving rows between "
+                             "processes needs the runtime's BlockMixer")
+        with torch.no_grad():
+            for j, d in moves:
+                for t in stacks:
+                    t[index[j]] = t[index[d]]
+        return 0.0
+
     def exchange(self, M: torch.Tensor, *, out: torch.Tensor | None = None) -> Handle:
         """Per-edge messages: M[e] goes along e = (i, l) of :attr:`edges`; ``wait()`` gives R, R[e] = what l sent i.
 

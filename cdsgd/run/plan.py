@@ -366,7 +366,8 @@ def build_executor(cfg: Config, parts: Parts, group) -> Executor:
     ex = executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
                              parts.plan.network, overlap=cfg.overlap)  # AsyncExecutor for adpsgd
     if getattr(ex, "membership", None) is not None:  # churn: over the run's graph, with its weight rule
-        ex.membership = build_membership(parts.plan.network, mixer, seed=cfg.seed, graph=parts.graph, rule=cfg.mixing)
+        ex.membership = build_membership(parts.plan.network, mixer, seed=cfg.seed, graph=parts.graph, rule=cfg.mixing,
+                                         make=lambda W: group.mixer(W, exact=cfg.exact, n_agents=n))
     return ex
 
 

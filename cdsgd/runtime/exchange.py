@@ -325,6 +325,32 @@ class BlockMixer(EdgeMessages, Mixer):
         self.bytes_across += self._rows_out * row_bytes
         return _BlockHandle(self, works, peers, X2, halo, out2, X.shape, lent)
 
+    def move_rows(self, moves, stacks) -> float:
+        """Agent d's row of every stack into agent j's, for each ``(j, d)`` in turn: a copy when this rank holds
+        both, else one message per stack from d's rank to j's (every rank walks ``moves`` in the same order, so
+        the messages pair up). Returns the bytes this rank sent."""
+        per, lo = len(self.agents), self.agents[0]
+        ops, into, sent = [], [], 0.0
+        with torch.no_grad():
+            for j, d in moves:
+                to, frm = j // per, d // per
+                for t in stacks:
+                    if to == frm == self.rank:
+                        t[j - lo] = t[d - lo]
+                    elif frm == self.rank:
+                        ops.append(("send", t[d - lo].contiguous(), to))
+                        sent += t[d - lo].numel() * t.element_size()
+                    elif to == self.rank:
+                        buffer = torch.empty_like(t[j - lo])
+                        ops.append(("recv", buffer, frm))
+                        into.append((t, j - lo, buffer))
+            works = exchange(ops, group=self.group, what=f"rank {self.rank}: a returning agent's model and state")
+            wait_peers([(kind, q) for kind, _, q in ops], works, self.timeout, self.rank, "a returning agent's model")
+            for t, row, buffer in into:
+                t[row] = buffer
+        self.bytes_across += sent
+        return sent
+
     def average(self, X: torch.Tensor, mask: torch.Tensor | None = None, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         X2 = self._flat(X)
