@@ -33,6 +33,7 @@ Pure numpy: no torch.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import math
 import os
@@ -62,6 +63,7 @@ class MembershipTrace:
         for row, interval in enumerate(intervals, 1):
             self._intervals_add(row, *interval)
         self._draw, self._covered = draw, -1
+        self._sorted = [0] * self.n_agents  # how many of agent j's intervals are known to be in order
 
     def _intervals_add(self, row: int, agent, leave, ret) -> None:
         where = f"churn trace row {row}"
@@ -88,10 +90,13 @@ class MembershipTrace:
             self._covered = upto
         mask = np.ones(self.n_agents, dtype=bool)
         for j, intervals in enumerate(self._intervals):
-            for leave, end in intervals:
-                if leave <= k < end:
-                    mask[j] = False
-                    break
+            if not intervals:
+                continue
+            if self._sorted[j] != len(intervals):  # kept sorted by leave step (a trace's rows come in any order)
+                intervals.sort()
+                self._sorted[j] = len(intervals)
+            i = bisect.bisect_right(intervals, (k, math.inf)) - 1  # the last interval left at or before k
+            mask[j] = not (i >= 0 and k < intervals[i][1])
         return mask
 
     def intervals(self, j: int) -> list[tuple[int, int | None]]:
