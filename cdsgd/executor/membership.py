@@ -120,7 +120,8 @@ class Membership:
         self.make = make if make is not None else (lambda W: make_mixer(W, exact=mixer.exact, validated=True))
         self.n_agents = mixer.n_agents
         self._mixers: OrderedDict[bytes, tuple[Mixer, topologies.Surviving | None]] = OrderedDict()
-        self._online: tuple[int, np.ndarray] | None = None
+        self._online: dict[int, np.ndarray] = {}  # steps k − 1 and k, asked for at every step
+        self._full_gap: float | None = None
         #: membership.csv's rows so far (``sim_seconds`` filled when the clock has reached the step)
         self.rows: list[dict] = []
         #: the agents online at the last step taken (all before the first)
@@ -132,9 +133,10 @@ class Membership:
         """The agents online at step k (all for k < 0)."""
         if k < 0:
             return np.ones(self.n_agents, dtype=bool)
-        if self._online is None or self._online[0] != k:
-            self._online = (k, self.trace.online(k))
-        return self._online[1]
+        if k not in self._online:
+            self._online = {j: v for j, v in self._online.items() if j >= k - 1}
+            self._online[k] = self.trace.online(k)
+        return self._online[k]
 
     def _surviving(self, online: np.ndarray) -> tuple[Mixer, topologies.Surviving | None]:
         key = np.packbits(online).tobytes()
@@ -177,8 +179,9 @@ class Membership:
         joined = np.flatnonzero(~before & online).tolist()
         joins = self._copy(ex, [(j, self.donor(j, k)) for j in joined])
         s = None if online.all() else self._surviving(online)[1]
-        gap = float("nan") if self.graph is None else (
-            topologies.spectral_gap(self.base.matrix).gap if s is None else s.gap.gap)
+        if s is None and self.graph is not None and self._full_gap is None:
+            self._full_gap = topologies.spectral_gap(self.base.matrix).gap
+        gap = float("nan") if self.graph is None else (self._full_gap if s is None else s.gap.gap)
         self.rows.append({"step": k, "sim_seconds": math.nan, "wall_seconds": ex.meters.timer.train_seconds,
                           "left": " ".join(map(str, left)), "joined": " ".join(map(str, joined)),
                           "donors": " ".join(f"{j}<{d}" for j, d, _ in joins), "online": int(online.sum()),
