@@ -103,7 +103,8 @@ class Config:
                               above=0, unit=" seconds", volatile=True)
     overlap: bool = key(True, "exchange parameters during the backward pass (False: after it, for measurement)")
     membership: str = key("fixed", "fixed: a lost peer stops the run (fail-stop) | elastic: agents may leave and "
-                          "come back (network_params churn in the simulator) and the run goes on over those online",
+                          "come back (network_params churn: in the simulator, and replayed by the runtime) and the run goes on "
+                          "over those online",
                           choices=("fixed", "elastic"), identity=True)
     # --- communication graph
     topology: str = key("ring", "builder name (ring, torus, complete, ...), time-varying schedule "
