@@ -324,6 +324,22 @@ CASES = [
     Case("cli-plot-foreign-metrics-csv", ("plot", "{tmp}/r"), 2,
          r"metrics\.csv lacks the column\(s\) epoch, .*; not a CSV file written by cdsgd \(found: a, b\)",
          "{tmp}/r/metrics.csv", files={"r/metrics.csv": "a,b\n1,2\n"}),
+    # ---- churn and elastic membership
+    Case("churn-membership-misspelt", ("run", "membership=elastc", "out={tmp}/out"), 2,
+         r"membership 'elastc' is unknown" + SUGGEST.format("elastic"), "'elastc'", absent=("out",)),
+    Case("churn-rate-one", ("run", "membership=elastic", "network_params={churn = 1.0}", "out={tmp}/out"), 2,
+         r"network_params\.churn = 1\.0 is out of range: .*\[0, 1\)", "1.0", absent=("out",)),
+    Case("churn-trace-unknown-agent", ("run", "membership=elastic", "n_agents=4",
+                                       "network_params={churn_trace = '{tmp}/t.csv'}", "out={tmp}/out"), 2,
+         r"churn trace row 1 names agent 9; the agents are 0\.\.3", "agent 9",
+         files={"t.csv": "agent,leave_step,return_step\n9,2,5\n"}, absent=("out",)),
+    Case("churn-trace-returns-before-leaving", ("run", "membership=elastic",
+                                                "network_params={churn_trace = '{tmp}/t.csv'}", "out={tmp}/out"), 2,
+         r"agent 1 returns at step 2, not after it left \(step 6\)", "step 2",
+         files={"t.csv": "agent,leave_step,return_step\n1,6,2\n"}, absent=("out",)),
+    Case("churn-elastic-rule-that-cannot", ("run", "membership=elastic", "algorithm=relaysum", "out={tmp}/out"), 2,
+         r"algorithm 'relaysum' cannot go on when agents leave and return \(its relayed sums pass through every "
+         r"agent of one spanning tree\)", "'relaysum'", absent=("out",)),
 ]
 
 #: cases also run as a real ``python -m cdsgd`` subprocess
