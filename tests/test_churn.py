@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import networkx as nx
 import numpy as np
@@ -182,6 +183,14 @@ def test_evaluation_averages_over_the_online_agents(tmp_path):
     assert torch.allclose(ex.average_params(), xbar, rtol=0, atol=1e-14)
     spread = ((ex.X[online] - xbar) ** 2).sum(dim=1).mean().sqrt().item()
     assert abs(ex.consensus_distance() - spread) < 1e-12
+
+
+def test_with_nobody_online_the_figures_of_the_models_are_nan_and_the_run_goes_on(tmp_path):
+    ex = executor(tmp_path, [(j, 2, 4) for j in range(N)], test_set=shards()[0])
+    rows = ex.run(steps=6, eval_every_steps=3)
+    nobody, back = rows
+    assert all(math.isnan(nobody[k]) for k in ("test_accuracy", "test_accuracy_avg_model", "consensus_distance"))
+    assert not math.isnan(back["test_accuracy_avg_model"]) and back["train_loss"] > 0
 
 
 @pytest.mark.parametrize("algorithm,hyper", [("sgd", {}), ("diloco", {"local_steps": 2, "optimizer": "sgd"})])

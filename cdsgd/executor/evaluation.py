@@ -166,7 +166,8 @@ def average_params(ex) -> torch.Tensor:
         for block in _blocks(ex):
             local.add_(block.sum(dim=0))
         total = ex.reducer.sum(local)
-    return (total / _online_count(ex)).to(ex.dtype)
+    online = _online_count(ex)  # 0 under churn with nobody online: x̄ is undefined
+    return (total / online).to(ex.dtype) if online else torch.full_like(total, math.nan, dtype=ex.dtype)
 
 
 def _distances(ex, xbar: torch.Tensor) -> torch.Tensor:
@@ -298,9 +299,9 @@ def evaluate(ex) -> tuple[dict, tuple[int, int, str] | None, float]:
         "test_loss_avg_model": float("nan"),
         **ModelStats.row(every[:, 11:]),
     }
-    if ex.evaluator.test_set is not None:
-        online = online_agents(ex)
-        count = sum(1 for j in ex.evaluator.eval_agents if online is None or online[j])
+    online = online_agents(ex)
+    count = sum(1 for j in ex.evaluator.eval_agents if online is None or online[j])  # 0: nobody online (churn)
+    if ex.evaluator.test_set is not None and count:
         row.update(test_loss=t_loss / count, test_accuracy=t_acc / count, test_accuracy_avg_model=acc_avg,
                    test_loss_avg_model=loss_avg)
     row.update(text_figures(row["test_loss"], row["test_loss_avg_model"], ex.evaluator.bytes_per_token))
