@@ -204,9 +204,10 @@ class Membership:
 
     def timed(self, k: int, seconds: float) -> None:
         """The clock reached step k at ``seconds``: the change recorded at k gets its simulated time."""
-        for row in reversed(self.rows):
-            if row["step"] == k:
-                row["sim_seconds"] = float(seconds)
+        for row in reversed(self.rows):  # in step order: only the changes since the last evaluation are passed
+            if row["step"] <= k:
+                if row["step"] == k:
+                    row["sim_seconds"] = float(seconds)
                 return
 
     def summary(self) -> dict:
