@@ -234,7 +234,6 @@ def test_the_clock_skips_an_offline_agent_and_charges_a_return_over_the_donors_u
                                              r"agents leave and return \(its correction .*\); elastic membership "
                                              r"is for .*cdmsgd"),
     (["membership=elastic", "algorithm=relaysum"], r"relayed sums pass through every agent"),
-    (["membership=elastic", "executor=torch"], r"^membership = 'elastic' with executor = 'torch' follows the churn "),
     (["membership=elastic", "network_params={churn=0.1, churn_trace='t.csv'}"], r"give one"),
     (["membership=elastic", "network_params={churn=0.1}", "mixing=uniform"], r"^mixing = 'uniform' is doubly"),
     (["membership=elastic", "network_params={churn=0.1}", "topology=one_peer_exponential", "n_agents=4"],
@@ -246,6 +245,16 @@ def test_bad_churn_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ValueError, match=message) as e:
         validate_config(load_config(overrides=["n_agents=5", *overrides]))
     assert "\n" not in str(e.value)
+
+
+def test_elastic_runtime_outside_cdsgd_launch_is_refused_in_one_line(tmp_path):
+    """torchrun stops every rank at the first loss: an elastic runtime run is started by cdsgd launch."""
+    from cdsgd.run.experiment import run_experiment
+
+    cfg = load_config(overrides=["n_agents=4", "membership=elastic", "executor=torch", f"out={tmp_path / 'out'}"])
+    with pytest.raises(ValueError, match=r"^membership = 'elastic' with executor = 'torch' runs under cdsgd launch"):
+        run_experiment(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("rows,message", [([(7, 1, 2)], r"names agent 7; the agents are 0\.\.4"),

@@ -35,7 +35,7 @@ def test_topologies_does_not_import_torch():
      "cdsgd.executor.door",
      "cdsgd.executor.asynchronous", "cdsgd.algorithms.outer", "cdsgd.run.graphs", "cdsgd.mixers.schedule",
      "cdsgd.mixers.base", "topologies.schedules", "topologies.membership", "cdsgd.network.churn",
-     "cdsgd.executor.membership"],
+     "cdsgd.executor.membership", "cdsgd.runtime.elastic"],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -16,7 +16,7 @@ from .. import __version__
 from .args import split_run_args
 from .data import _add_data
 from .export import _add_export
-from .launch import describe_launch_failure, launch_argv
+from .launch import describe_launch_failure, launch_argv, supervise
 from .sweep import _add_sweep
 from .topo import _add_topo
 
@@ -149,7 +149,9 @@ def _add_launch(sub) -> None:
                    help="port on node 0 (default on one node: a free port; required for several nodes)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun's elastic restarts after a rank fails (default 0); restarted ranks resume "
-                   "from the latest complete checkpoint (checkpoint_every=...)")
+                   "from the latest complete checkpoint (checkpoint_every=...). With membership=elastic, "
+                   "cdsgd launch starts the workers itself and a rank that dies is left behind (one node; "
+                   "--max-restarts must be 0 there: a replacement joining is not built yet)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config and the process layout, print the torchrun command, and exit")
     p.set_defaults(func=_cmd_launch)
@@ -179,6 +181,8 @@ def _cmd_launch(args) -> int:
         overrides = overrides + [f"out={default_out(cfg)}"]
     if args.master_addr.startswith("127.") and args.nnodes == 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback, not the hostname's address
+    if cfg.membership == "elastic":
+        return _launch_elastic(args, overrides, path, world, per_process)
     from torch.distributed import run as torchrun
 
     argv = launch_argv(args, overrides, path)
@@ -199,6 +203,23 @@ def _cmd_launch(args) -> int:
         print(f"cdsgd launch: {describe_launch_failure(e)} after {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 128 + int(e.sigval) if hasattr(e, "sigval") else 1
     return 0
+
+
+def _launch_elastic(args, overrides: list[str], path: str | None, world: int, per_process: int) -> int:
+    """membership = "elastic": cdsgd launch starts and watches the workers itself (cdsgd.cli.launch.supervise)."""
+    if args.nnodes > 1:
+        raise ValueError(f"membership='elastic' runs on one node for now (--nnodes {args.nnodes} given): "
+                         "cdsgd launch watches its own workers; use --nnodes 1, or membership='fixed'")
+    if args.max_restarts:
+        raise ValueError(f"--max-restarts {args.max_restarts} with membership='elastic': a replacement rank "
+                         "joining a running elastic run is not built yet; use --max-restarts 0 (the survivors "
+                         "go on without a lost rank), or membership='fixed' (a restart resumes every rank)")
+    if args.dry_run:
+        print(f"{world} process(es), {per_process} agent(s) each, started and watched by cdsgd launch "
+              "(membership='elastic': a rank that dies is left behind, docs/reliability.md)")
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    return supervise(args, overrides, path)
 
 
 # --------------------------------------------------------------------- plot

@@ -163,6 +163,9 @@ class Executor:
         #: (``churn``, ``churn_trace``) over the graph of the mixer's matrix with Metropolis weights (``cdsgd
         #: run`` sets the run's graph and weight rule before the first step), else None: all, always
         self.membership: Membership | None = None
+        #: what takes a step in :meth:`run` instead of :meth:`step` (None: step): the runtime's elastic
+        #: agreement around it (:class:`cdsgd.runtime.elastic.ElasticStep`)
+        self.stepper: Callable[[], float] | None = None
         if getattr(network, "churning", False):
             check_membership("elastic", network, algorithm, n_agents=stack.n_agents, mixing="metropolis",
                              executor="sim" if len(stack.ids) == stack.n_agents else "torch",
@@ -347,7 +350,7 @@ class Executor:
                             total_steps=end)  # the step the run ends at: a cosine step size's horizon
         alone = len(self.agents) == self.n_agents  # no other process: stop at the very step
         while self.k < end:
-            self.step()
+            self.step() if self.stepper is None else self.stepper()
             if progress is not None:
                 progress(self.k)
             if self.k % every == 0 or self.k == end or (alone and self.nonfinite_here):

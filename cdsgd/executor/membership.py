@@ -128,6 +128,8 @@ class Membership:
         self.current = np.ones(self.n_agents, dtype=bool)
         self.online_steps = 0  # Σ over the steps taken of the agents online (summary.json's mean)
         self.steps = 0
+        #: (agent, step) of the losses the runtime observed (:meth:`lose`), beyond the trace it started with
+        self.lost: list[tuple[int, int]] = []
 
     def online(self, k: int) -> np.ndarray:
         """The agents online at step k (all for k < 0)."""
@@ -137,6 +139,14 @@ class Membership:
             self._online = {j: v for j, v in self._online.items() if j >= k - 1}
             self._online[k] = self.trace.online(k)
         return self._online[k]
+
+    def lose(self, agents, k: int) -> None:
+        """The runtime lost ``agents`` (their ranks died): they leave at step k for good, as the trace rows
+        ``agent, k,`` would make them leave (the simulator given those rows is the reference)."""
+        for j in agents:
+            self.trace.add(int(j), int(k), None)
+            self.lost.append((int(j), int(k)))
+        self._online = {s: v for s, v in self._online.items() if s < k}
 
     def _surviving(self, online: np.ndarray) -> tuple[Mixer, topologies.Surviving | None]:
         key = np.packbits(online).tobytes()
@@ -222,12 +232,15 @@ class Membership:
 
     def state_dict(self) -> dict:
         return {"rows": [dict(r) for r in self.rows], "online_steps": self.online_steps, "steps": self.steps,
-                "current": self.current.tolist()}
+                "current": self.current.tolist(), "lost": [list(v) for v in self.lost]}
 
     def load_state_dict(self, state: dict) -> None:
         self.rows = [dict(r) for r in state["rows"]]
         self.online_steps, self.steps = int(state["online_steps"]), int(state["steps"])
         self.current = np.asarray(state["current"], dtype=bool)
+        new = [(int(j), int(k)) for j, k in state.get("lost", []) if (int(j), int(k)) not in self.lost]
+        for j, k in new:
+            self.lose([j], k)
 
 
 def check_membership(membership: str, spec, algorithm, *, n_agents: int, executor: str, mixing: str,
@@ -243,10 +256,6 @@ def check_membership(membership: str, spec, algorithm, *, n_agents: int, executo
         return
     algorithm.check_elastic()
     if not churning:
-        if executor != "sim":
-            raise ValueError(f"membership = 'elastic' with executor = {executor!r} follows the churn of "
-                             "network_params (churn or churn_trace), and none is given; a rank that dies still "
-                             "stops the run (docs/reliability.md)")
         return
     if spec.lossy:
         raise ValueError(f"network_params churn with drop = {spec.drop:g}, link_failure = {spec.link_failure:g}: "
@@ -265,14 +274,18 @@ def check_membership(membership: str, spec, algorithm, *, n_agents: int, executo
 
 def build_membership(spec, mixer: Mixer, *, seed: int, graph: nx.Graph | None = None, rule: str = "metropolis",
                      make=None) -> Membership:
-    """The :class:`Membership` of a churning network ``spec`` (``churn`` or ``churn_trace``) over ``mixer``:
+    """The :class:`Membership` of a churning network ``spec`` (``churn`` or ``churn_trace``) over ``mixer``
+    (a ``spec`` without churn, or None: nobody leaves but whom the runtime loses, :meth:`Membership.lose`):
     the graph is ``graph``, or that of ``mixer.matrix``'s non-zeros (None for a mixer without one); ``make``
     as :class:`Membership`'s."""
-    from ..network import load_trace, random_churn
+    from ..network import MembershipTrace, load_trace, random_churn
 
     n = mixer.n_agents
-    trace = (load_trace(spec.churn_trace, n) if spec.churn_trace is not None
-             else random_churn(n, spec.churn, spec.churn_down_steps, seed))
+    if spec is None or not spec.churning:
+        trace = MembershipTrace(n)
+    else:
+        trace = (load_trace(spec.churn_trace, n) if spec.churn_trace is not None
+                 else random_churn(n, spec.churn, spec.churn_down_steps, seed))
     if graph is None and mixer.matrix is not None:
         if topologies.Schedule is type(mixer.matrix) or hasattr(mixer.matrix, "period"):
             raise ValueError("churn re-weights one fixed graph; a time-varying schedule cannot lose agents")

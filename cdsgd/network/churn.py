@@ -81,6 +81,11 @@ class MembershipTrace:
                                  f"overlaps its interval from step {other_leave}")
         self._intervals[agent].append((int(leave), end))
 
+    def add(self, agent: int, leave: int, ret: int | None = None) -> None:
+        """Agent ``agent`` is offline from step ``leave`` until ``ret`` (None: for good); a loss the
+        runtime observed (:meth:`cdsgd.executor.membership.Membership.lose`)."""
+        self._intervals_add(sum(map(len, self._intervals)) + 1, agent, leave, ret)
+
     def online(self, k: int) -> np.ndarray:
         """The boolean N-vector of the agents online at step k."""
         if self._draw is not None and k > self._covered:

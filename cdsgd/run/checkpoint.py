@@ -76,16 +76,27 @@ def steps_on_disk(out, rank: int) -> list[int]:
     return sorted(steps)
 
 
-def prune(out, rank: int, keep: int) -> None:
-    """Delete rank's checkpoints older than step ``keep`` (and step folders left empty)."""
+def prune(out, rank: int, keep: int, spare: int | None = None) -> None:
+    """Delete rank's checkpoints older than step ``keep`` but that of step ``spare`` (and step folders left
+    empty)."""
     for step in steps_on_disk(out, rank):
-        if step < keep:
+        if step < keep and step != spare:
             path = checkpoint_path(out, step, rank)
             path.unlink(missing_ok=True)
             try:
                 path.parent.rmdir()  # only when no other rank's file is left in it
             except OSError:
                 pass
+
+
+def prune_elastic(out, rank: int, previous: int, whole: int, *, everyone: bool) -> int:
+    """Under elastic membership, as rank writes a checkpoint: delete its checkpoints older than the
+    ``previous`` one but the last whole one (every rank of the launch wrote it: a resume of all ranks starts
+    from it). Each step's agreement says every live rank wrote ``previous``: with ``everyone`` alive, it is
+    whole. Returns the step of the last whole checkpoint."""
+    whole = previous if everyone else whole
+    prune(out, rank, keep=previous, spare=whole)
+    return whole
 
 
 def remove_all(out) -> None:

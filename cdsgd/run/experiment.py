@@ -54,6 +54,7 @@ from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
 from ..executor import METRIC_COLUMNS, Diverged, Executor
 from ..executor.membership import MEMBERSHIP_COLUMNS
+from ..runtime.elastic import check_launched, fault
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
 from .hints import diverged_hint, eval_hint, resume_hint
@@ -182,6 +183,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
     plan = plan if plan is not None else validate_config(cfg)
     if cfg.exact:
         torch.set_num_threads(1)  # as each torchrun worker: identical rounding in both executors
+    check_launched(cfg.executor, cfg.membership)
     group = join(device=cfg.device, comm_timeout=cfg.comm_timeout, n_agents=cfg.n_agents) \
         if cfg.executor == "torch" else LocalGroup()
     completed, out, failure = False, None, None
@@ -216,7 +218,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
         failure = group.diagnose(e)
         raise Terminated(failure.message) from None
     finally:
-        if not completed and out is not None and group.rank == 0:
+        if not completed and out is not None and group.writer:
             e = sys.exc_info()[1]  # a no-op once _drive has written its final summary
             _write_failure(out, cfg, e, started, (failure or Failure("")).status(e))  # undiagnosed: by its type
         if completed:
@@ -279,11 +281,16 @@ class _MetricsFile:
     """metrics.csv of rank 0 (nothing elsewhere): the header and any earlier rows, then each row flushed to disk."""
 
     def __init__(self, path: Path | None, rows: list[dict]) -> None:
-        self.f = open(path, "w", newline="") if path is not None else None
-        if self.f is not None:
-            self.writer = csv.DictWriter(self.f, fieldnames=list(METRIC_COLUMNS))
-            self.writer.writeheader()
-            self.write(*rows)  # a resumed run's rows up to its checkpoint
+        self.f = None
+        if path is not None:
+            self.open(path, rows)
+
+    def open(self, path: Path, rows: list[dict]) -> None:
+        """Start the file with ``rows`` (a resumed run's; all so far, taking over from a lost rank 0)."""
+        self.f = open(path, "w", newline="")
+        self.writer = csv.DictWriter(self.f, fieldnames=list(METRIC_COLUMNS))
+        self.writer.writeheader()
+        self.write(*rows)
 
     def write(self, *rows: dict) -> None:
         if self.f is None:
@@ -306,14 +313,17 @@ class _Loop:
         self.cfg, self.sim, self.out, self.group, self.rows = cfg, sim, out, group, rows
         self.before, self.started, self.total, self.every = before, started, total, every
         self.shown, self.board, self.metrics, self.summary = shown, board, metrics, summary
-        self.hinted = False
+        self.hinted, self.saved, self.whole = False, 0, 0  # elastic: the last checkpoint, the last whole one
         self.stop = StopBetweenSteps(enabled=group.world == 1)  # ranks could not agree on the step to stop at
 
     def on_row(self, row: dict) -> None:
         self.rows.append(row)
         self.board.row(row)
-        self.metrics.write(row)
-        write_membership(self.out if self.group.rank == 0 else None, self.sim)
+        if self.group.writer and self.metrics.f is None:  # rank 0 was lost (elastic): the lowest live rank writes
+            self.metrics.open(self.out / "metrics.csv", self.rows)
+        else:
+            self.metrics.write(row)
+        write_membership(self.out if self.group.writer else None, self.sim)
         text = math.isfinite(row.get("test_bits_per_byte", math.nan))  # a language model: its loss, in bits per byte
         self.shown.row(f"epoch {row['epoch']:.2f}  train_loss {row['train_loss']:.4f}  "
                        + (f"test_bpb {row['test_bits_per_byte']:.4f}  avg_model_bpb {row['test_bits_per_byte_avg_model']:.4f}  "
@@ -335,7 +345,12 @@ class _Loop:
         state = {"config": ckpt.config_for_checkpoint(self.cfg.__dict__), "world": self.group.world,
                  "simulator": self.sim.state_dict(), "rows": self.rows,
                  "total_seconds": self.before + time.perf_counter() - self.started}
+        fault("checkpoint", self.group.rank, k)
         ckpt.save(self.out, k, self.group.rank, state)
+        if self.group.elastic:  # no barrier a lost rank could break (the next step's agreement is one)
+            self.whole, self.saved = ckpt.prune_elastic(self.out, self.group.rank, self.saved, self.whole,
+                                                        everyone=len(self.group.view.live) == self.group.world), k
+            return
         self.sim.reducer.barrier(f"checkpoint of step {k} (waiting for every rank to write its file)")
         ckpt.prune(self.out, self.group.rank, keep=k)  # step k is complete on every rank: older ones are not needed
 
@@ -356,7 +371,7 @@ class _Loop:
                         progress=self.on_step, after_step=self.after_step)
         if self.cfg.save_params:
             params = sim.reducer.gather(sim.X)
-            if self.group.rank == 0:
+            if self.group.writer:
                 atomic_write(self.out / "params.pt", lambda f: torch.save(params.cpu(), f))
 
 
@@ -416,7 +431,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
         board.close()
         metrics.close()
         summary_end(summary, cfg, sim, rows, before + time.perf_counter() - started)
-        if writer:
+        if group.writer:  # rank 0, or the lowest live rank once an elastic run lost it
             atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -365,9 +365,13 @@ def build_executor(cfg: Config, parts: Parts, group) -> Executor:
     mixer = group.mixer(parts.W, exact=cfg.exact, n_agents=n)
     ex = executor_class(alg)(stack, data, mixer, alg, group.reducer(torch.device(cfg.device)), evaluator,
                              parts.plan.network, overlap=cfg.overlap)  # AsyncExecutor for adpsgd
-    if getattr(ex, "membership", None) is not None:  # churn: over the run's graph, with its weight rule
+    if getattr(ex, "membership", None) is not None or getattr(group, "elastic", False):  # churn or lost ranks
         ex.membership = build_membership(parts.plan.network, mixer, seed=cfg.seed, graph=parts.graph, rule=cfg.mixing,
                                          make=lambda W: group.mixer(W, exact=cfg.exact, n_agents=n))
+    if getattr(group, "elastic", False):  # a rank that dies leaves the run (cdsgd.runtime.elastic)
+        from ..runtime.elastic import ElasticStep
+
+        ex.stepper = ElasticStep(group, ex)
     return ex
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..base.comm import exchange, wait_peers
+from ..base.comm import wait_peers
 from ..mixers import Handle, result_tensor
 from ..mixers.edges import edge_list, out_degrees, reverse_positions
 
@@ -97,8 +97,8 @@ class EdgeMessages:
             ops += [("send", sbuf, q), ("recv", rbuf, q)]
             recvs.append((q, rbuf))
         peers = [(kind, q) for kind, _, q in ops]
-        works = exchange(ops, group=self.group,
-                         what=f"rank {self.rank}: posting per-edge messages to neighbour ranks {sorted(self._edge_peers)}")
+        works = self._post(ops, f"rank {self.rank}: posting per-edge messages to neighbour ranks "
+                                f"{sorted(self._edge_peers)}")
         inside, source = self._edge_inside
         if len(inside):
             out2.index_copy_(0, self._index("inside", inside, M.device),

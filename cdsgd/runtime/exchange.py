@@ -151,6 +151,9 @@ class BlockMixer(EdgeMessages, Mixer):
             itself, then its neighbours in ascending order (the simulator's
             exact mode: bit-identical results).
         validate: check W with :func:`topologies.validate`.
+        view: under elastic membership, the :class:`~cdsgd.runtime.elastic.View` that places ``rank``'s
+            peers (ranks of the launch) in the current process group; ``rank`` and ``world`` stay the
+            launch's, and so does the agents' layout.
 
     ``start(X, out=None)`` takes the block's L×P stack (any trailing shape;
     a P-vector when L = 1), posts one send and one receive per neighbouring
@@ -176,11 +179,11 @@ class BlockMixer(EdgeMessages, Mixer):
     """
 
     def __init__(self, W, rank: int, world: int, *, group=None, timeout: float = 120.0, exact: bool = False,
-                 validate: bool = True, n_agents: int | None = None) -> None:
+                 validate: bool = True, n_agents: int | None = None, view=None) -> None:
         if not timeout > 0:
             raise ValueError(f"comm_timeout must be > 0 seconds, got {timeout!r}")
         self.timeout, self.exact = float(timeout), bool(exact)
-        self.rank, self.world, self.group = int(rank), int(world), group
+        self.rank, self.world, self.group, self.view = int(rank), int(world), group, view
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self.bytes_across = 0.0
@@ -237,8 +240,8 @@ class BlockMixer(EdgeMessages, Mixer):
 
     def _check_place(self) -> None:
         """Refuse a rank or size that is not this process's place in ``group`` (peers are its ranks)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return  # built outside a process group (nothing to compare with yet)
+        if not (dist.is_available() and dist.is_initialized()) or self.view is not None:
+            return  # built outside a process group (nothing to compare with yet), or placed by an elastic view
         me, size, glob = dist.get_rank(self.group), dist.get_world_size(self.group), dist.get_rank()
         name = type(self).__name__
         if me < 0:
@@ -250,6 +253,12 @@ class BlockMixer(EdgeMessages, Mixer):
         if me != self.rank:
             raise ValueError(f"{name}: rank {self.rank} was given, but this process is rank {me} of the group "
                              f"(global rank {glob}); rank and the neighbour indices are ranks of the group")
+
+    def _post(self, ops: list, what: str) -> list:
+        """:func:`exchange` of ``ops`` whose peers are ranks of the launch (placed by the view, if any)."""
+        if self.view is not None:
+            ops = [(kind, t, self.view.peer(q)) for kind, t, q in ops]
+        return exchange(ops, group=self.group, what=what)
 
     # ------------------------------------------------------------ buffers
 
@@ -316,8 +325,7 @@ class BlockMixer(EdgeMessages, Mixer):
         ops = [("send", self._outgoing(X2, q, lent), q) for q in self.neighbours if q in self._send]
         ops += [("recv", halo[a:b], q) for q, (a, b) in sorted(self._recv.items())]
         peers = [(kind, q) for kind, _, q in ops]
-        works = exchange(ops, group=self.group,
-                         what=f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours}")
+        works = self._post(ops, f"rank {self.rank}: posting the exchange with neighbour ranks {self.neighbours}")
         if not self.exact:  # the in-block part while the halo travels
             self._local.product(X2, out2)
         row_bytes = X2.shape[1] * X2.element_size()
@@ -344,7 +352,7 @@ class BlockMixer(EdgeMessages, Mixer):
                         buffer = torch.empty_like(t[j - lo])
                         ops.append(("recv", buffer, frm))
                         into.append((t, j - lo, buffer))
-            works = exchange(ops, group=self.group, what=f"rank {self.rank}: a returning agent's model and state")
+            works = self._post(ops, f"rank {self.rank}: a returning agent's model and state")
             wait_peers([(kind, q) for kind, _, q in ops], works, self.timeout, self.rank, "a returning agent's model")
             for t, row, buffer in into:
                 t[row] = buffer
@@ -375,13 +383,15 @@ class BlockMixer(EdgeMessages, Mixer):
     def _ordered_average(self, X2: torch.Tensor, mask, out: torch.Tensor) -> torch.Tensor:
         """The exact mode's average: every block gathered, the rows summed in agent order (:func:`ordered_mean`,
         as the simulator's exact mode), so the result has the simulator's bits."""
-        blocks = [torch.empty_like(X2) for _ in range(self.world)]
+        live = dist.get_world_size(self.group)  # the world, but for ranks an elastic run has lost
+        blocks = [torch.empty_like(X2) for _ in range(live)]
         work = dist.all_gather(blocks, X2.contiguous(), group=self.group, async_op=True)
         wait(work, self.timeout, f"rank {self.rank}: all-gather of {X2.shape[1]} values per agent (exact mode)")
         P, size = X2.shape[1], X2.element_size()
         self.bytes_sent += allreduce_bytes(self.n_agents, P, size)
-        self.bytes_across += (self.world - 1) * X2.numel() * size
-        mean = ordered_mean(torch.cat(blocks), mask, torch.empty(P, dtype=X2.dtype, device=X2.device))
+        self.bytes_across += (live - 1) * X2.numel() * size
+        every = torch.cat(blocks) if self.view is None else self.view.spread(blocks, 0.0)  # a lost rank's rows: 0
+        mean = ordered_mean(every, mask, torch.empty(P, dtype=X2.dtype, device=X2.device))
         out.view(X2.shape).copy_(mean.expand_as(X2))
         return out
 

@@ -20,7 +20,13 @@ A run asks its group for everything that depends on where the agents live:
     the failure as one line, naming the rank that was lost when it can be
     known, and whether the run was being stopped on purpose;
 ``close()``
-    leave together (a barrier) and release the process group.
+    leave together (a barrier) and release the process group;
+``writer``
+    whether this process writes the output folder;
+``elastic``, ``view``, ``regroup(live, tag)``
+    under elastic membership (``cdsgd launch ... membership=elastic``), who
+    is still alive and how the survivors form a new process group
+    (:mod:`cdsgd.runtime.elastic`).
 
 :func:`join` starts a :class:`DistGroup` inside a torchrun launch; a
 :class:`LocalGroup` needs nothing. No module-level state: the rendezvous
@@ -41,6 +47,7 @@ import torch
 from ..base.comm import CommError
 from ..executor.reducer import Reducer
 from ..mixers import Mixer, make_mixer
+from .elastic import ELASTIC_ENV, View
 
 __all__ = ["DistGroup", "Failure", "Group", "LocalGroup", "Terminated", "describe", "join"]
 
@@ -89,6 +96,13 @@ class Group:
     attempt: int = 0
     #: the agents this process holds (None: every agent)
     agents: list[int] | None = None
+    #: whether a lost process leaves the run rather than stopping it (:mod:`cdsgd.runtime.elastic`)
+    elastic: bool = False
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes the output folder (rank 0; under elastic membership the lowest live rank)."""
+        return self.rank == 0
 
     def agree(self, value) -> list:
         raise NotImplementedError
@@ -174,6 +188,7 @@ class DistGroup(Group):
         import torch.distributed.nn  # noqa: F401
 
         self.dist, self.timeout = dist, float(comm_timeout)
+        self.elastic = os.environ.get(ELASTIC_ENV) == "1"
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.backend, self.device = "nccl", torch.device(f"cuda:{torch.cuda.current_device()}")
@@ -182,6 +197,7 @@ class DistGroup(Group):
         _die_with_parent()
         self.store, attempt = self._init()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.view = View(self.world) if self.elastic else None
         self.n_agents = self.world if n_agents is None else int(n_agents)
         self._failures: list[tuple[BaseException, Failure]] = []
         try:
@@ -206,6 +222,13 @@ class DistGroup(Group):
         dist = self.dist
         timeout = datetime.timedelta(seconds=self.timeout)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if self.elastic:  # cdsgd launch's own store, which outlives every worker (cdsgd.cli.supervise)
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            self.store_root = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                            is_master=False, timeout=timeout)
+            prefixed = dist.PrefixStore("cdsgd/pg/start", self.store_root)
+            dist.init_process_group(self.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+            return self.store_root, 0
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -249,23 +272,41 @@ class DistGroup(Group):
 
     @property
     def agents(self) -> list[int]:
+        return self.agents_of(self.rank)
+
+    def agents_of(self, rank: int) -> list[int]:
+        """The agents rank ``rank`` of the launch holds."""
         from .exchange import agent_block
 
-        return agent_block(self.n_agents, self.world, self.rank)
+        return agent_block(self.n_agents, self.world, rank)
+
+    @property
+    def writer(self) -> bool:
+        return self.rank == (0 if self.view is None else self.view.writer)
+
+    def regroup(self, live: list[int], tag: str) -> None:
+        """The survivors ``live`` (ranks of the launch) form a new process group, under the store prefix
+        ``tag`` (every survivor calls this with the same arguments)."""
+        dist = self.dist
+        dist.destroy_process_group()
+        prefixed = dist.PrefixStore(f"cdsgd/pg/{tag}", self.store_root)
+        dist.init_process_group(self.backend, store=prefixed, rank=live.index(self.rank), world_size=len(live),
+                                timeout=datetime.timedelta(seconds=self.timeout))
+        self.view.set(live)
 
     def mixer(self, W, *, exact: bool, n_agents: int) -> Mixer:
         from .exchange import BlockMixer
 
         def block(Wk, *, exact: bool, validate: bool, n_agents: int | None = None) -> Mixer:
             return BlockMixer(Wk, self.rank, self.world, timeout=self.timeout, exact=exact, validate=validate,
-                              n_agents=n_agents)
+                              n_agents=n_agents, view=self.view)
 
         return make_mixer(W, n_agents=n_agents, exact=exact, per_matrix=block, validated=True)  # as LocalGroup
 
     def reducer(self, device: torch.device) -> Reducer:
         from .reduce import DistReducer
 
-        return DistReducer(device=self.device, timeout=self.timeout)
+        return DistReducer(device=self.device, timeout=self.timeout, view=self.view)
 
     def close(self) -> None:
         """Leave together (a rank tearing its connections down while a peer still reads from them
@@ -383,7 +424,8 @@ def _lost_ranks(store, e: BaseException, rank: int, world: int) -> tuple[list[in
 
 def _die_with_parent() -> None:
     """Linux: get SIGTERM when the launcher dies, so that a killed launcher leaves no worker behind."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get(ELASTIC_ENV) == "1"
+    if not sys.platform.startswith("linux") or not launched:
         return
     try:
         import ctypes

@@ -24,10 +24,16 @@ __all__ = ["DistReducer", "check_agreement"]
 
 
 class DistReducer(Reducer):
-    """Evaluation's reductions across ranks (all-reduce, all-gather, an ordered chain); counts its own bytes."""
+    """Evaluation's reductions across ranks (all-reduce, all-gather, an ordered chain); counts its own bytes.
 
-    def __init__(self, *, group=None, device: torch.device | str = "cpu", timeout: float = 120.0) -> None:
-        self.group, self.device, self.timeout = group, torch.device(device), float(timeout)
+    ``view``: under elastic membership, the :class:`~cdsgd.runtime.elastic.View` of the live ranks; what is
+    gathered comes back in the launch's agent order, a lost rank's rows 0 (they are offline: no figure counts
+    them).
+    """
+
+    def __init__(self, *, group=None, device: torch.device | str = "cpu", timeout: float = 120.0,
+                 view=None) -> None:
+        self.group, self.device, self.timeout, self.view = group, torch.device(device), float(timeout), view
         self.bytes = 0.0
 
     def _wait(self, work, what: str, peer: int | None = None) -> None:
@@ -47,7 +53,10 @@ class DistReducer(Reducer):
         blocks = [torch.empty_like(mine) for _ in range(n)]
         self._wait(dist.all_gather(blocks, mine, group=self.group, async_op=True), "gathering per-agent figures")
         self.bytes += (n - 1) * mine.numel() * mine.element_size()
-        return torch.cat(blocks).to(local.device)
+        return self._spread(blocks).to(local.device)
+
+    def _spread(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(blocks) if self.view is None else self.view.spread(blocks, 0.0)
 
     def sum_in_order(self, acc: torch.Tensor, add: Callable[[torch.Tensor], None]) -> torch.Tensor:
         """A chain through the ranks: rank r receives the running sum from r − 1, adds its agents
@@ -86,7 +95,7 @@ class DistReducer(Reducer):
         if rank != 0:
             self.bytes += block.numel() * block.element_size()
             return None
-        return torch.cat(blocks).to(X.device)
+        return self._spread(blocks).to(X.device)
 
 
 def _digest(obj) -> str:

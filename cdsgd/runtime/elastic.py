@@ -1,0 +1,206 @@
+r"""Elastic membership across processes: a rank that dies is left behind, the survivors train on.
+
+Under ``membership = "elastic"`` ``cdsgd launch`` starts the workers itself
+(:mod:`cdsgd.cli.supervise`) and hosts a key-value store (torch's TCPStore)
+that outlives any worker; it writes ``cdsgd/el/dead/R`` the moment worker R
+exits. Every step k of the runtime is then a small round of agreement
+through that store (:class:`ElasticStep`), attempt a = 0, 1, …:
+
+1. **ready**: each live rank reports that it reached step k; it waits
+   until every rank of the current view has reported, is marked dead, or
+   ``comm_timeout`` has passed. The first rank to finish waiting proposes
+   the ranks that reported; the store keeps the first proposal
+   (compare-and-set), and every rank adopts it: one decision, whoever
+   waited longest. A rank left out of it stops (:class:`Excluded`).
+2. If the view changed (or a retry follows a failure), the process group
+   is built again over the survivors (``destroy_process_group``, then a
+   fresh group under its own store prefix: gloo's connections to a dead
+   rank do not recover), and the agents of the lost ranks leave the run's
+   :class:`~cdsgd.executor.membership.Membership` at step k, exactly as a
+   churn trace ``agent, k,`` makes them leave in the simulator: the
+   survivors mix over the surviving subgraph with the run's weight rule.
+3. The step runs from a copy of the executor's state taken before it; the
+   simulated clock's records of the step are gathered with it (a lost
+   rank's share of the clock cannot be asked for afterwards).
+4. **done**: each rank reports whether its step went through; decided as
+   in 1. If every rank of the view reported success, step k is committed.
+   Otherwise (a neighbour died inside the exchange: a :class:`CommError`
+   within ``comm_timeout``), every rank puts its state back and step k is
+   tried again (attempt a + 1) without the lost ranks.
+
+So every wait is bounded by ``comm_timeout``, the survivors agree on one
+step at which a rank left, and the run equals the simulator's given the
+churn trace of those departures (bit for bit in exact mode).
+
+:class:`View` maps the ranks a run was launched with (the agents' layout
+never changes: rank r always holds :func:`~cdsgd.runtime.exchange.agent_block`
+(N, R, r)) onto the current process group, and spreads what the survivors
+gather into the launch's agent order (the lost ranks' rows filled in).
+
+``CDSGD_FAULT="die:RANK:STEP[:WHERE]"`` makes rank RANK kill itself
+(SIGKILL) at step STEP: ``WHERE`` = ``step`` (default: before it reports
+ready), ``exchange`` (after it reported ready: the others meet a closed
+connection inside the step) or ``checkpoint`` (while writing the
+checkpoint of step STEP). Several faults: separate them with commas. It is
+how the tests kill a rank at a known point (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+
+import torch
+
+from ..base.comm import CommError
+
+__all__ = ["DEAD", "ELASTIC_ENV", "ElasticStep", "Excluded", "FAULT_ENV", "Quorum", "View", "check_launched", "fault"]
+
+#: set to "1" by ``cdsgd launch`` for the workers of an elastic run (membership = "elastic")
+ELASTIC_ENV = "CDSGD_ELASTIC"
+#: the store key the launcher writes when worker R exits (``DEAD.format(R)``)
+DEAD = "cdsgd/el/dead/{}"
+#: the environment variable of fault injection (tests)
+FAULT_ENV = "CDSGD_FAULT"
+_WHERE = ("step", "exchange", "checkpoint")
+
+
+class Excluded(RuntimeError):
+    """This rank was left out of the survivors' decision (it answered after ``comm_timeout``): it stops."""
+
+
+def check_launched(executor: str, membership: str) -> None:
+    """Refuse an elastic runtime run that ``cdsgd launch`` did not start (torchrun stops every rank at the
+    first loss, and nobody would mark the dead)."""
+    if executor == "torch" and membership == "elastic" and os.environ.get(ELASTIC_ENV) != "1":
+        raise ValueError("membership = 'elastic' with executor = 'torch' runs under cdsgd launch, which starts and "
+                         "watches its workers (torchrun stops every rank at the first loss): use  cdsgd launch "
+                         "--nproc-per-node R [CONFIG] membership=elastic ...")
+
+
+def fault(where: str, rank: int, k: int) -> None:
+    """Kill this process (SIGKILL, as a lost machine) when ``CDSGD_FAULT`` names (rank, step k, where)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        if parts[0] != "die" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in _WHERE):
+            raise ValueError(f"{FAULT_ENV}={spec!r}: each fault is die:RANK:STEP[:WHERE], WHERE one of "
+                             f"{', '.join(_WHERE)}")
+        if int(parts[1]) == rank and int(parts[2]) == k and (parts[3] if len(parts) == 4 else "step") == where:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class View:
+    """The live ranks (ranks of the launch, ascending) and each one's rank in the current process group.
+
+    >>> v = View(4); v.set([0, 2, 3]); v.peer(2), v.writer
+    (1, 0)
+    >>> v.spread([torch.ones(1, 2), 3 * torch.ones(1, 2), 4 * torch.ones(1, 2)], 0.0).squeeze(1).tolist()
+    [[1.0, 1.0], [0.0, 0.0], [3.0, 3.0], [4.0, 4.0]]
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = int(world)
+        self.set(range(self.world))
+
+    def set(self, live) -> None:
+        self.live = sorted(int(r) for r in live)
+        self._index = {r: i for i, r in enumerate(self.live)}
+
+    def peer(self, rank: int) -> int:
+        """Rank ``rank`` of the launch as a rank of the current process group."""
+        try:
+            return self._index[rank]
+        except KeyError:
+            raise CommError(f"rank {rank} has left the run (live ranks: {self.live})", rank) from None
+
+    @property
+    def writer(self) -> int:
+        """The lowest live rank: it writes the output folder."""
+        return self.live[0]
+
+    def spread(self, blocks: list[torch.Tensor], fill: float) -> torch.Tensor:
+        """The live ranks' equal blocks (in group order) as the launch's ``world`` blocks, stacked; a lost
+        rank's block is ``fill``."""
+        if len(blocks) == self.world:
+            return torch.cat(blocks)
+        out = [torch.full_like(blocks[0], fill) for _ in range(self.world)]
+        for r, b in zip(self.live, blocks):
+            out[r] = b
+        return torch.cat(out)
+
+
+class Quorum:
+    """Decisions through the store: every member reports a value, the first to finish waiting proposes what
+    it saw, the store keeps the first proposal (compare-and-set), and everyone adopts it."""
+
+    def __init__(self, store, rank: int, timeout: float) -> None:
+        self.store, self.rank, self.timeout = store, int(rank), float(timeout)
+
+    def decide(self, tag: str, members: list[int], value: str = "1") -> dict[int, str]:
+        """{member: value} of those that reported ``tag`` before the others were dead or ``timeout`` passed."""
+        key = f"cdsgd/el/{tag}/"
+        self.store.set(key + str(self.rank), value)
+        deadline, pause = time.monotonic() + self.timeout, 0.0005
+        waiting = set(members)
+        seen: dict[int, str] = {}
+        while True:
+            for q in sorted(waiting):
+                if self.store.check([key + str(q)]):
+                    seen[q] = self.store.get(key + str(q)).decode()
+                    waiting.discard(q)
+                elif self.store.check([DEAD.format(q)]):
+                    waiting.discard(q)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        proposal = json.dumps(sorted(seen.items()))
+        decided = self.store.compare_set(key + "decision", "", proposal).decode()
+        return {int(q): v for q, v in json.loads(decided)}
+
+
+class ElasticStep:
+    """The executor's step under elastic membership: agreed, taken from a copy, committed or tried again.
+
+    Args:
+        group: the run's :class:`~cdsgd.runtime.group.DistGroup` (its view, store and ``regroup``).
+        ex: the executor (its ``membership`` loses the agents of lost ranks).
+    """
+
+    def __init__(self, group, ex) -> None:
+        self.group, self.ex = group, ex
+        self.quorum = Quorum(group.store_root, group.rank, group.timeout)
+
+    def __call__(self) -> float:
+        group, ex, k = self.group, self.ex, self.ex.k
+        for attempt in range(group.world + 1):
+            tag = f"s{k}.{attempt}"
+            fault("step", group.rank, k)
+            before = list(group.view.live)
+            live = sorted(self.quorum.decide(f"{tag}/ready", before))
+            if group.rank not in live:
+                raise Excluded(f"rank {group.rank} was left out at step {k} (it answered after "
+                               f"comm_timeout={group.timeout:g} s); the run goes on without it")
+            if live != before or attempt > 0:
+                group.regroup(live, tag)
+                lost = [r for r in before if r not in live]
+                if lost:
+                    ex.membership.lose([j for r in lost for j in group.agents_of(r)], k)
+            saved = copy.deepcopy(ex.state_dict())
+            fault("exchange", group.rank, k)
+            error = None
+            try:
+                loss = ex.step()
+                if ex.meters.clock is not None:  # each step's records gathered while every rank of it is alive
+                    ex.meters.clock.flush(ex.reducer)
+            except CommError as e:
+                error = e
+            done = self.quorum.decide(f"{tag}/done", live, "0" if error else "1")
+            if sorted(done) == live and all(v == "1" for v in done.values()):
+                return loss
+            ex.load_state_dict(saved)
+        raise CommError(f"rank {group.rank}: step {k} failed {group.world + 1} times", None)
