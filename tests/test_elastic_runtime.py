@@ -35,18 +35,30 @@ def rows(path):
         return list(csv.DictReader(f))
 
 
-def launch_and_simulate(tmp_path, fault, trace, extra=()):
-    """The 4-rank launch with ``fault`` and the simulator with the churn ``trace`` rows; their output folders."""
-    tor, sim = tmp_path / "torch", tmp_path / "sim"
-    r = cdsgd("launch", "--nproc-per-node", "4", *RUN, *extra, "network_params={compute_ms=4}", f"out={tor}",
-              fault=fault)
+def launch(tmp_path, fault, extra=(), restarts=0):
+    """The 4-rank launch with ``fault``; its output folder and the launcher's stderr."""
+    tor = tmp_path / "torch"
+    r = cdsgd("launch", "--nproc-per-node", "4", "--max-restarts", str(restarts), *RUN, *extra,
+              "network_params={compute_ms=4}", f"out={tor}", fault=fault)
     assert r.returncode == 0, r.stdout + r.stderr
-    path = tmp_path / "trace.csv"
-    path.write_text("agent,leave_step,return_step\n" + "".join(f"{j},{k},\n" for j, k in trace))
+    return tor, r.stderr
+
+
+def simulate(tmp_path, trace, extra=()):
+    """The simulator given the churn ``trace`` rows (agent, leave, return or None); its output folder."""
+    sim, path = tmp_path / "sim", tmp_path / "trace.csv"
+    path.write_text("agent,leave_step,return_step\n" + "".join(f"{j},{k},{'' if b is None else b}\n"
+                                                               for j, k, b in trace))
     r = cdsgd("run", *RUN, *extra, f"network_params={{compute_ms=4, churn_trace='{path}'}}", f"out={sim}",
               "--no-progress")
     assert r.returncode == 0, r.stderr
-    return tor, sim, r
+    return sim
+
+
+def launch_and_simulate(tmp_path, fault, trace, extra=()):
+    """The 4-rank launch with ``fault`` and the simulator with the churn ``trace`` rows; their output folders."""
+    tor, err = launch(tmp_path, fault, extra)
+    return tor, simulate(tmp_path, [(j, k, None) for j, k in trace], extra), err
 
 
 def assert_same_run(tor, sim, survivors):
@@ -97,3 +109,31 @@ def test_a_rank_killed_while_writing_a_checkpoint_loses_no_checkpoint(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((tor / "summary.json").read_text())
     assert (summary["status"], summary["resumed_from_step"], summary["final_online"]) == ("completed", 6, 4)
+
+
+#: long enough for a replacement process to start (a few seconds) and join well before the end
+LONG = ["epochs=12", "eval_steps=100"]
+
+
+def test_a_killed_rank_restarted_joins_and_the_run_finishes_with_four_agents(tmp_path):
+    """--max-restarts 1: a replacement of rank 2 joins at some step J, takes its agent's model and state from
+    its lowest live neighbour and its data stream where the lost rank left it; equal to the simulator given
+    the trace 2,5,J."""
+    tor, err = launch(tmp_path, "die:2:5", LONG, restarts=1)
+    assert "lost rank 2 (killed by SIGKILL); the run went on" in err
+    left, back = rows(tor / "membership.csv")
+    assert (left["step"], left["left"], back["joined"], back["donors"], back["online"]) == ("5", "2", "2", "2<1", "4")
+    sim = simulate(tmp_path, [(2, 5, int(back["step"]))], LONG)
+    summary = assert_same_run(tor, sim, [0, 1, 2, 3])
+    assert summary["returns"] == 1
+
+
+def test_a_joiner_whose_neighbour_dies_while_it_joins_takes_its_model_from_the_other(tmp_path):
+    """Rank 1 (the joiner's donor) dies at the step the replacement of rank 2 joins, after agreeing to it: the
+    step is taken again without rank 1, and agent 2 takes its model from agent 3."""
+    tor, err = launch(tmp_path, "die:2:5,die:1:*:join", LONG, restarts=1)
+    left, change = rows(tor / "membership.csv")
+    assert (change["left"], change["joined"], change["donors"], change["online"]) == ("1", "2", "2<3", "3")
+    J = int(change["step"])
+    sim = simulate(tmp_path, [(2, 5, J), (1, J, None)], LONG)
+    assert_same_run(tor, sim, [0, 2, 3])

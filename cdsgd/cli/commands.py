@@ -130,7 +130,9 @@ def _add_launch(sub) -> None:
         "n_agents agents in contiguous blocks (n_agents must be a multiple of the number of processes; "
         "one agent per process when they are equal). On one node it picks a free "
         "port itself; for several nodes run the same command on every node with --nnodes, --node-rank, "
-        "--master-addr and --master-port.",
+        "--master-addr and --master-port. Under membership=elastic (one node) cdsgd launch starts and "
+        "watches the workers itself: a rank that dies is left behind, and --max-restarts starts "
+        "replacements that join the running run.",
         epilog="examples:\n"
         "  cdsgd launch --nproc-per-node 5\n"
         "  cdsgd launch --nproc-per-node 5 experiments/paper/fashion_mnist_ring_iid.toml epochs=1\n"
@@ -149,9 +151,9 @@ def _add_launch(sub) -> None:
                    help="port on node 0 (default on one node: a free port; required for several nodes)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun's elastic restarts after a rank fails (default 0); restarted ranks resume "
-                   "from the latest complete checkpoint (checkpoint_every=...). With membership=elastic, "
-                   "cdsgd launch starts the workers itself and a rank that dies is left behind (one node; "
-                   "--max-restarts must be 0 there: a replacement joining is not built yet)")
+                   "from the latest complete checkpoint (checkpoint_every=...). With membership=elastic (one "
+                   "node), cdsgd launch starts the workers itself, a rank that dies is left behind, and K is "
+                   "how many replacements it starts: each joins the running run at its next step")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config and the process layout, print the torchrun command, and exit")
     p.set_defaults(func=_cmd_launch)
@@ -210,10 +212,6 @@ def _launch_elastic(args, overrides: list[str], path: str | None, world: int, pe
     if args.nnodes > 1:
         raise ValueError(f"membership='elastic' runs on one node for now (--nnodes {args.nnodes} given): "
                          "cdsgd launch watches its own workers; use --nnodes 1, or membership='fixed'")
-    if args.max_restarts:
-        raise ValueError(f"--max-restarts {args.max_restarts} with membership='elastic': a replacement rank "
-                         "joining a running elastic run is not built yet; use --max-restarts 0 (the survivors "
-                         "go on without a lost rank), or membership='fixed' (a restart resumes every rank)")
     if args.dry_run:
         print(f"{world} process(es), {per_process} agent(s) each, started and watched by cdsgd launch "
               "(membership='elastic': a rank that dies is left behind, docs/reliability.md)")

@@ -53,9 +53,10 @@ def describe_launch_failure(e: Exception) -> str:
 
 def supervise(args, overrides: list[str], path: str | None) -> int:
     """``cdsgd launch`` under ``membership = "elastic"``: start the workers here (not through torchrun, which
-    stops every worker when one dies), host the store they agree through, and mark a worker that exits
-    before the others in it (:data:`cdsgd.runtime.elastic.DEAD`) so that the survivors leave it behind at
-    once. Returns 0 when the run completed on the ranks that survived, else the first failure's status."""
+    stops every worker when one dies), host the store they agree through, count a worker's death in it
+    (:data:`cdsgd.runtime.elastic.DEAD`) so that the survivors leave it behind at once, and start a
+    replacement for a lost rank while ``--max-restarts`` allows (it joins the running run). Returns 0 when
+    the run completed on the ranks alive at its end, else the first failure's status."""
     import datetime
     import signal
     import subprocess
@@ -64,19 +65,26 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
     import torch.distributed as dist
 
     from ..base.comm import free_port
-    from ..runtime.elastic import DEAD, ELASTIC_ENV
+    from ..runtime.elastic import DEAD, ELASTIC_ENV, JOIN, JOIN_ENV
 
     port = args.master_port if args.master_port is not None else free_port(args.master_addr)
-    n = args.nproc_per_node
+    n, restarts = args.nproc_per_node, args.max_restarts
     store = dist.TCPStore(args.master_addr, port, n, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     cmd = [sys.executable, "-m", "cdsgd", "run", *([path] if path else []), *overrides, "executor=torch"]
     env = {**os.environ, ELASTIC_ENV: "1", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
            "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port)}
-    procs = {r: subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(n)}
+
+    def start(r: int, joining: bool) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), JOIN_ENV: str(int(joining))})
+
+    procs = {r: start(r, False) for r in range(n)}
+    lost: list[tuple[int, int]] = []  # (rank, status) of every worker that failed, in order
     codes: dict[int, int] = {}
 
     def stop(signum, frame):  # pass the launcher's SIGINT/SIGTERM on: each rank checkpoints and stops
+        nonlocal restarts
+        restarts = 0
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -84,25 +92,33 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while len(codes) < n:
-            for r, p in procs.items():
-                if r not in codes and p.poll() is not None:
+            for r, p in list(procs.items()):
+                if r in codes or p.poll() is None:
+                    continue
+                if p.returncode == 0:
+                    codes[r] = 0
+                    continue
+                lost.append((r, p.returncode))
+                store.delete_key(JOIN.format(r))  # a replacement that died before it was admitted
+                store.add(DEAD.format(r), 1)  # the survivors stop waiting for it
+                if restarts > 0 and any(q not in codes and q != r for q in procs):
+                    restarts -= 1
+                    procs[r] = start(r, True)
+                else:
                     codes[r] = p.returncode
-                    if p.returncode != 0:  # the survivors stop waiting for it
-                        store.set(DEAD.format(r), str(p.returncode))
             time.sleep(0.02)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    lost = {r: c for r, c in codes.items() if c != 0}
     if lost:
         def how(c):
             return f"killed by {signal.Signals(-c).name}" if c < 0 else f"exit status {c}"
 
-        said = ", ".join(f"rank {r} ({how(c)})" for r, c in sorted(lost.items()))
-        went_on = len(lost) < n
-        print(f"cdsgd launch: lost {said}; " + ("the run went on without it" if went_on else "no rank finished"),
+        said = ", ".join(f"rank {r} ({how(c)})" for r, c in lost)
+        completed = any(c == 0 for c in codes.values())
+        print(f"cdsgd launch: lost {said}; " + ("the run went on" if completed else "no rank finished"),
               file=sys.stderr)
-        if not went_on:
-            first = min(lost.values(), key=lambda c: (c == 0, c))
+        if not completed:
+            first = lost[0][1]
             return 128 - first if first < 0 else first
     return 0

@@ -130,6 +130,8 @@ class Membership:
         self.steps = 0
         #: (agent, step) of the losses the runtime observed (:meth:`lose`), beyond the trace it started with
         self.lost: list[tuple[int, int]] = []
+        #: (agent, step) of the lost agents that came back in a replacement process (:meth:`rejoin`)
+        self.back: list[tuple[int, int]] = []
 
     def online(self, k: int) -> np.ndarray:
         """The agents online at step k (all for k < 0)."""
@@ -146,6 +148,14 @@ class Membership:
         for j in agents:
             self.trace.add(int(j), int(k), None)
             self.lost.append((int(j), int(k)))
+        self._online = {s: v for s, v in self._online.items() if s < k}
+
+    def rejoin(self, agents, k: int) -> None:
+        """Lost ``agents`` are back at step k (a replacement process joined): the trace rows ``agent, leave, k``;
+        at step k each takes its donor's model and state (:meth:`begin`)."""
+        for j in agents:
+            self.trace.readmit(int(j), int(k))
+            self.back.append((int(j), int(k)))
         self._online = {s: v for s, v in self._online.items() if s < k}
 
     def _surviving(self, online: np.ndarray) -> tuple[Mixer, topologies.Surviving | None]:
@@ -232,15 +242,17 @@ class Membership:
 
     def state_dict(self) -> dict:
         return {"rows": [dict(r) for r in self.rows], "online_steps": self.online_steps, "steps": self.steps,
-                "current": self.current.tolist(), "lost": [list(v) for v in self.lost]}
+                "current": self.current.tolist(), "lost": [list(v) for v in self.lost],
+                "back": [list(v) for v in self.back]}
 
     def load_state_dict(self, state: dict) -> None:
         self.rows = [dict(r) for r in state["rows"]]
         self.online_steps, self.steps = int(state["online_steps"]), int(state["steps"])
         self.current = np.asarray(state["current"], dtype=bool)
-        new = [(int(j), int(k)) for j, k in state.get("lost", []) if (int(j), int(k)) not in self.lost]
-        for j, k in new:
-            self.lose([j], k)
+        for key, apply in (("lost", self.lose), ("back", self.rejoin)):  # the runtime's losses and returns
+            for j, k in [(int(j), int(k)) for j, k in state.get(key, [])]:
+                if (j, k) not in getattr(self, key):
+                    apply([j], k)
 
 
 def check_membership(membership: str, spec, algorithm, *, n_agents: int, executor: str, mixing: str,

@@ -86,6 +86,14 @@ class MembershipTrace:
         runtime observed (:meth:`cdsgd.executor.membership.Membership.lose`)."""
         self._intervals_add(sum(map(len, self._intervals)) + 1, agent, leave, ret)
 
+    def readmit(self, agent: int, k: int) -> None:
+        """Agent ``agent``, offline for good since an earlier step, is back at step k (a replacement joined)."""
+        for i, (leave, end) in enumerate(self._intervals[agent]):
+            if end == math.inf and leave < k:
+                self._intervals[agent][i] = (leave, int(k))
+                return
+        raise ValueError(f"agent {agent} is not offline for good before step {k}: it cannot be readmitted")
+
     def online(self, k: int) -> np.ndarray:
         """The boolean N-vector of the agents online at step k."""
         if self._draw is not None and k > self._covered:

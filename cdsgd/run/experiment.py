@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import csv
 import datetime
-import io
 import json
 import math
 import os
@@ -53,8 +52,7 @@ from ..base.comm import CommError
 from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
 from ..executor import METRIC_COLUMNS, Diverged, Executor
-from ..executor.membership import MEMBERSHIP_COLUMNS
-from ..runtime.elastic import check_launched, fault
+from ..runtime.elastic import check_launched, fault, join_run
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
 from .hints import diverged_hint, eval_hint, resume_hint
@@ -62,7 +60,7 @@ from .interrupt import StopBetweenSteps
 from .logger import make_logger
 from .plan import Parts, Plan, build_executor, hyperparameters, prepare, validate_config
 from .progress import Progress, pick_mode, safe_stream
-from .summary import summary_end, summary_identity, summary_start, versions
+from .summary import summary_end, summary_identity, summary_start, versions, write_membership
 
 __all__ = ["CHECKPOINT_UNITS", "Diverged", "EXECUTORS", "Terminated", "default_out", "hyperparameters", "prepare",
            "run_experiment", "validate_config"]
@@ -196,16 +194,17 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
             log(f"cdsgd run: attempt {group.attempt + 1} after a restart: resuming from the latest complete "
                 "checkpoint" + ("" if cfg.checkpoint_every else " (checkpoint_every=0: none, so from step 0)"))
         parts = prepare(cfg, plan)  # the data loads before the output folder exists: a missing file leaves none
-        out = Path(group.decide(lambda: _prepare_out(cfg, resume=resume)))
+        out = Path(cfg.out) if group.joining else Path(group.decide(lambda: _prepare_out(cfg, resume=resume)))
         cfg = Config(**{**cfg.__dict__, "out": str(out)})
         sim = build_executor(cfg, parts, group)
-        if not resume:
+        if not (resume or group.joining):
             ckpt.remove_all(out)  # an earlier run's checkpoints (overwrite=true) must never be resumed into this one
         # "resume" differs between a first attempt and a restart: compare the config without it
         group.check({"mixing matrix": parts.W, "n_agents": cfg.n_agents, "world size": group.world,
                      "parameter count": sim.layout.numel,
                      "config": dump_config(Config(**{**cfg.__dict__, "resume": False}))})
-        payload = _find_checkpoint(cfg, out, group, log=log) if resume else None
+        payload = join_run(group, sim) if group.joining else _find_checkpoint(cfg, out, group, log=log) if resume \
+            else None
         summary = _drive(cfg, sim, parts, out, group, mode=mode, log=log, resume=payload, started=started)
         completed = True
         return summary
@@ -261,22 +260,6 @@ def _announce(cfg: Config, sim: Executor, parts: Parts, out: Path, world: int, t
         summary["tree"] = sorted([min(u, v), max(u, v)] for u, v in plan.graph.edges())
 
 
-def write_membership(out: Path | None, sim: Executor) -> None:
-    """membership.csv in ``out`` (rank 0; None: nothing), when the run has a membership that changes."""
-    members = getattr(sim, "membership", None)
-    if out is None or members is None:
-        return
-
-    def write(f) -> None:
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=list(MEMBERSHIP_COLUMNS), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in r.items()} for r in members.rows)
-        f.write(text.getvalue().encode())
-
-    atomic_write(out / "membership.csv", write)
-
-
 class _MetricsFile:
     """metrics.csv of rank 0 (nothing elsewhere): the header and any earlier rows, then each row flushed to disk."""
 
@@ -315,6 +298,8 @@ class _Loop:
         self.shown, self.board, self.metrics, self.summary = shown, board, metrics, summary
         self.hinted, self.saved, self.whole = False, 0, 0  # elastic: the last checkpoint, the last whole one
         self.stop = StopBetweenSteps(enabled=group.world == 1)  # ranks could not agree on the step to stop at
+        if group.elastic:
+            sim.stepper.rows = rows  # what a replacement that joins is handed
 
     def on_row(self, row: dict) -> None:
         self.rows.append(row)
@@ -400,7 +385,7 @@ def _drive(cfg: Config, sim: Executor, parts: Parts, out: Path, group: Group, *,
     rows, before = [], 0.0  # before: seconds the run took before its checkpoint (a resumed run's total counts them)
     if resume is not None:
         rows, before = _restore(sim, resume, total, cfg)
-        summary["resumed_from_step"] = sim.k
+        summary["joined_at_step" if resume.get("joined") else "resumed_from_step"] = sim.k
     if writer:
         atomic_write(out / "config.toml", dump_config(cfg))
     _announce(cfg, sim, parts, out, world, total, every, summary, log)

@@ -6,6 +6,8 @@ The dict is assembled here and only here: :func:`summary_identity` (every summar
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 from pathlib import Path
 
@@ -14,10 +16,13 @@ import torch
 
 from .. import __version__
 from ..config import Config
+from ..base.files import atomic_write
 from ..executor import Executor
+from ..executor.membership import MEMBERSHIP_COLUMNS
 from .plan import Parts
 
-__all__ = ["TARGETS", "json_number", "summary_end", "summary_identity", "summary_start", "to_target", "versions"]
+__all__ = ["TARGETS", "json_number", "summary_end", "summary_identity", "summary_start", "to_target", "versions",
+           "write_membership"]
 
 
 def json_number(v):
@@ -114,3 +119,19 @@ def summary_end(summary: dict, cfg: Config, sim: Executor, rows: list[dict], sec
     summary["eval_bytes_per_agent"] = int(round(sim.reducer.bytes))
     summary["bytes_across_processes"] = sim.bytes_across_processes
     summary.update(sim.algorithm.summary())
+
+
+def write_membership(out: Path | None, sim: Executor) -> None:
+    """membership.csv in ``out`` (rank 0; None: nothing), when the run has a membership that changes."""
+    members = getattr(sim, "membership", None)
+    if out is None or members is None:
+        return
+
+    def write(f) -> None:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(MEMBERSHIP_COLUMNS), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in r.items()} for r in members.rows)
+        f.write(text.getvalue().encode())
+
+    atomic_write(out / "membership.csv", write)

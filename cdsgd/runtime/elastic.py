@@ -28,6 +28,13 @@ through that store (:class:`ElasticStep`), attempt a = 0, 1, …:
    within ``comm_timeout``), every rank puts its state back and step k is
    tried again (attempt a + 1) without the lost ranks.
 
+A replacement of a lost rank (``cdsgd launch --max-restarts``) asks to join
+(``JOIN``); the next step's ready round admits it, the lowest live rank
+leaves it the run's state in the store, and its agents come back at that
+step (:func:`join_run`): parameters and rule state from their donors, data
+streams and random draws as its predecessor left them (``LOCAL``, written
+by every rank at every step).
+
 So every wait is bounded by ``comm_timeout``, the survivors agree on one
 step at which a rank left, and the run equals the simulator's given the
 churn trace of those departures (bit for bit in exact mode).
@@ -48,6 +55,9 @@ how the tests kill a rank at a known point (docs/reliability.md).
 from __future__ import annotations
 
 import copy
+import datetime
+import gc
+import io
 import json
 import os
 import signal
@@ -57,15 +67,22 @@ import torch
 
 from ..base.comm import CommError
 
-__all__ = ["DEAD", "ELASTIC_ENV", "ElasticStep", "Excluded", "FAULT_ENV", "Quorum", "View", "check_launched", "fault"]
+__all__ = ["ADMIT", "DEAD", "ELASTIC_ENV", "ElasticStep", "Excluded", "FAULT_ENV", "JOIN", "JOIN_ENV", "LOCAL", "Quorum",
+           "View", "check_launched", "fault", "join_run", "streams_state"]
 
 #: set to "1" by ``cdsgd launch`` for the workers of an elastic run (membership = "elastic")
 ELASTIC_ENV = "CDSGD_ELASTIC"
 #: the store key the launcher writes when worker R exits (``DEAD.format(R)``)
 DEAD = "cdsgd/el/dead/{}"
+#: a replacement rank asks to join (``JOIN.format(R)``), and is told where it is admitted (``ADMIT``)
+JOIN, ADMIT = "cdsgd/el/join/{}", "cdsgd/el/admit/{}"
+#: rank R's agents' data streams and random draws at the start of step K (``LOCAL.format(R, K)``)
+LOCAL = "cdsgd/el/local/{}/{}"
+#: set to "1" by ``cdsgd launch`` for a replacement of a lost rank
+JOIN_ENV = "CDSGD_JOIN"
 #: the environment variable of fault injection (tests)
 FAULT_ENV = "CDSGD_FAULT"
-_WHERE = ("step", "exchange", "checkpoint")
+_WHERE = ("step", "exchange", "checkpoint", "join")
 
 
 class Excluded(RuntimeError):
@@ -89,7 +106,7 @@ def fault(where: str, rank: int, k: int) -> None:
         if parts[0] != "die" or len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in _WHERE):
             raise ValueError(f"{FAULT_ENV}={spec!r}: each fault is die:RANK:STEP[:WHERE], WHERE one of "
                              f"{', '.join(_WHERE)}")
-        if int(parts[1]) == rank and int(parts[2]) == k and (parts[3] if len(parts) == 4 else "step") == where:
+        if int(parts[1]) == rank and parts[2] in ("*", str(k)) and (parts[3] if len(parts) == 4 else "step") == where:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -135,13 +152,22 @@ class View:
 
 class Quorum:
     """Decisions through the store: every member reports a value, the first to finish waiting proposes what
-    it saw, the store keeps the first proposal (compare-and-set), and everyone adopts it."""
+    it saw, the store keeps the first proposal (compare-and-set), and everyone adopts it.
 
-    def __init__(self, store, rank: int, timeout: float) -> None:
+    A member is dead once the launcher has counted more deaths of its rank (``DEAD``) than the run has
+    admitted replacements of it (``incarnation``).
+    """
+
+    def __init__(self, store, rank: int, timeout: float, world: int) -> None:
         self.store, self.rank, self.timeout = store, int(rank), float(timeout)
+        self.incarnation = {r: 0 for r in range(world)}
 
-    def decide(self, tag: str, members: list[int], value: str = "1") -> dict[int, str]:
-        """{member: value} of those that reported ``tag`` before the others were dead or ``timeout`` passed."""
+    def deaths(self, rank: int) -> int:
+        return int(self.store.add(DEAD.format(rank), 0))
+
+    def decide(self, tag: str, members: list[int], value: str = "1", *, joiners=()) -> dict[int, str]:
+        """{member: value} of those that reported ``tag`` before the others were dead or ``timeout`` passed;
+        with ``joiners`` (ranks not in ``members``), each that asked to join (``JOIN``) as {rank: "join"}."""
         key = f"cdsgd/el/{tag}/"
         self.store.set(key + str(self.rank), value)
         deadline, pause = time.monotonic() + self.timeout, 0.0005
@@ -152,15 +178,31 @@ class Quorum:
                 if self.store.check([key + str(q)]):
                     seen[q] = self.store.get(key + str(q)).decode()
                     waiting.discard(q)
-                elif self.store.check([DEAD.format(q)]):
+                elif self.deaths(q) > self.incarnation[q]:
                     waiting.discard(q)
             if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
+        seen.update({q: "join" for q in joiners if self.store.check([JOIN.format(q)])})
         proposal = json.dumps(sorted(seen.items()))
         decided = self.store.compare_set(key + "decision", "", proposal).decode()
         return {int(q): v for q, v in json.loads(decided)}
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)  # written by this run's own ranks
+
+
+def streams_state(ex) -> dict:
+    """What no other rank can give back of this rank's agents: their data streams and random draws."""
+    return {"data": ex.data.state_dict(), "rng": ex.stack.state_dict()["rng"]}
 
 
 class ElasticStep:
@@ -168,28 +210,69 @@ class ElasticStep:
 
     Args:
         group: the run's :class:`~cdsgd.runtime.group.DistGroup` (its view, store and ``regroup``).
-        ex: the executor (its ``membership`` loses the agents of lost ranks).
+        ex: the executor (its ``membership`` loses the agents of lost ranks, and takes back those of
+            replacements).
+
+    ``rows``: the run's metrics rows so far (the run loop sets it), handed to a replacement that joins.
+    Each rank also leaves in the store, at each step, its agents' data streams and random draws at the start
+    of the next one (``LOCAL``): what a replacement of it continues from.
     """
 
     def __init__(self, group, ex) -> None:
         self.group, self.ex = group, ex
-        self.quorum = Quorum(group.store_root, group.rank, group.timeout)
+        self.quorum = Quorum(group.store_root, group.rank, group.timeout, group.world)
+        self.rows: list[dict] = []
+        #: set by :func:`join_run` in a replacement: the attempt of the step it was admitted at
+        self.admitted: int | None = None
+        self._published = -1
+
+    def _publish(self, k: int) -> None:
+        if self._published != k:
+            self.group.store_root.set(LOCAL.format(self.group.rank, k), _dumps(streams_state(self.ex)))
+            self._published = k
+
+    def _change(self, before: list[int], decided: dict[int, str], k: int, tag: str, attempt: int) -> None:
+        """Step k's view differs from ``before`` (or follows a failure): lost ranks' agents leave, admitted
+        replacements' agents come back (the lowest live rank hands them the run's state), and the survivors
+        and the replacements form a new process group."""
+        group, ex, quorum = self.group, self.ex, self.quorum
+        live = sorted(decided)
+        lost = [r for r in before if r not in live]
+        joined = [q for q, v in decided.items() if v == "join"]
+        if lost:
+            ex.membership.lose([j for r in lost for j in group.agents_of(r)], k)
+        if joined:
+            ex.membership.rejoin([j for q in joined for j in group.agents_of(q)], k)
+            quorum.incarnation.update({q: quorum.deaths(q) for q in joined})
+            if group.writer:
+                store = group.store_root
+                store.set(f"cdsgd/el/{tag}/state", _dumps({"simulator": ex.state_dict(), "rows": self.rows,
+                                                           "incarnation": quorum.incarnation}))
+                for q in joined:
+                    store.set(ADMIT.format(q), json.dumps({"step": k, "attempt": attempt, "tag": tag, "live": live}))
+                    store.delete_key(JOIN.format(q))
+        group.regroup(live, tag)
 
     def __call__(self) -> float:
         group, ex, k = self.group, self.ex, self.ex.k
-        for attempt in range(group.world + 1):
+        self._publish(k)
+        first, decided = (0, None) if self.admitted is None else (self.admitted, {})  # {}: decided at the join
+        self.admitted = None
+        for attempt in range(first, first + group.world + 1):
             tag = f"s{k}.{attempt}"
-            fault("step", group.rank, k)
-            before = list(group.view.live)
-            live = sorted(self.quorum.decide(f"{tag}/ready", before))
-            if group.rank not in live:
-                raise Excluded(f"rank {group.rank} was left out at step {k} (it answered after "
-                               f"comm_timeout={group.timeout:g} s); the run goes on without it")
-            if live != before or attempt > 0:
-                group.regroup(live, tag)
-                lost = [r for r in before if r not in live]
-                if lost:
-                    ex.membership.lose([j for r in lost for j in group.agents_of(r)], k)
+            if decided is None:
+                fault("step", group.rank, k)
+                before = list(group.view.live)
+                decided = self.quorum.decide(f"{tag}/ready", before,
+                                             joiners=[r for r in range(group.world) if r not in before])
+                if group.rank not in decided:
+                    raise Excluded(f"rank {group.rank} was left out at step {k} (it answered after "
+                                   f"comm_timeout={group.timeout:g} s); the run goes on without it")
+                if sorted(decided) != before or attempt > 0 or "join" in decided.values():
+                    self._change(before, decided, k, tag, attempt)
+            if "join" in decided.values():
+                fault("join", group.rank, k)
+            live, decided = list(group.view.live), None
             saved = copy.deepcopy(ex.state_dict())
             fault("exchange", group.rank, k)
             error = None
@@ -198,9 +281,46 @@ class ElasticStep:
                 if ex.meters.clock is not None:  # each step's records gathered while every rank of it is alive
                     ex.meters.clock.flush(ex.reducer)
             except CommError as e:
-                error = e
+                error = str(e)
+            if error is not None:  # close this rank's connections (once the error's frames, which hold the
+                gc.collect()  # posted works and hence the group, are gone): a peer still waiting on it fails
+                group.release()  # now, not at its timeout
+            self._publish(k + 1)  # this attempt's state; a later attempt's overwrites it
             done = self.quorum.decide(f"{tag}/done", live, "0" if error else "1")
             if sorted(done) == live and all(v == "1" for v in done.values()):
+                group.store_root.delete_key(LOCAL.format(group.rank, k))
                 return loss
             ex.load_state_dict(saved)
         raise CommError(f"rank {group.rank}: step {k} failed {group.world + 1} times", None)
+
+
+def join_run(group, ex) -> dict:
+    """A replacement rank joins the running elastic run: it asks (``JOIN``), waits at most ``comm_timeout``
+    for the survivors to admit it at the next step, joins their new process group, and returns the payload
+    to continue from (the lowest live rank's state and metrics rows, with its own agents' data streams and
+    random draws as its lost predecessor left them); its agents' parameters and rule state come from their
+    donors in the step itself (:meth:`~cdsgd.executor.membership.Membership.begin`)."""
+    store, rank = group.store_root, group.rank
+    store.set(JOIN.format(rank), "1")
+    key = ADMIT.format(rank)
+    try:
+        store.wait([key], datetime.timedelta(seconds=group.timeout))
+    except Exception:  # noqa: BLE001 - the store's timeout error: say it in one line
+        raise CommError(f"rank {rank}: not admitted into the elastic run within comm_timeout="
+                        f"{group.timeout:g} s (is it still running?)", None) from None
+    admit = json.loads(store.get(key).decode())
+    store.delete_key(key)
+    payload = _loads(store.get(f"cdsgd/el/{admit['tag']}/state"))
+    group.regroup(admit["live"], admit["tag"])
+    mine, state = ex.state_dict(), payload["simulator"]  # the run's state (step, clock, membership, ...)
+    leave = max(k for j, k in state["membership"]["lost"] if j in ex.agents)
+    own = _loads(store.get(LOCAL.format(rank, leave)))
+    held = len(ex.agents)
+    state = {**state, "agents": mine["agents"], "stack": {"X": mine["stack"]["X"], "rng": own["rng"]},
+             "data": own["data"], "mixer": mine["mixer"],
+             "rule": {n: (mine["rule"][n] if t.dim() and t.shape[0] == held else t) for n, t in state["rule"].items()},
+             "meters": {**state["meters"], "loss": mine["meters"]["loss"], "nonfinite": mine["meters"]["nonfinite"]}}
+    stepper = ex.stepper
+    stepper.quorum.incarnation = {int(q): int(v) for q, v in payload["incarnation"].items()}
+    stepper.admitted = int(admit["attempt"])
+    return {"simulator": state, "rows": payload["rows"], "joined": True}

@@ -47,7 +47,7 @@ import torch
 from ..base.comm import CommError
 from ..executor.reducer import Reducer
 from ..mixers import Mixer, make_mixer
-from .elastic import ELASTIC_ENV, View
+from .elastic import ELASTIC_ENV, JOIN_ENV, View
 
 __all__ = ["DistGroup", "Failure", "Group", "LocalGroup", "Terminated", "describe", "join"]
 
@@ -98,6 +98,8 @@ class Group:
     agents: list[int] | None = None
     #: whether a lost process leaves the run rather than stopping it (:mod:`cdsgd.runtime.elastic`)
     elastic: bool = False
+    #: whether this process replaces a lost one in a running elastic run
+    joining: bool = False
 
     @property
     def writer(self) -> bool:
@@ -189,6 +191,8 @@ class DistGroup(Group):
 
         self.dist, self.timeout = dist, float(comm_timeout)
         self.elastic = os.environ.get(ELASTIC_ENV) == "1"
+        #: a replacement of a lost rank, joining a running elastic run (:func:`cdsgd.runtime.elastic.join_run`)
+        self.joining = self.elastic and os.environ.get(JOIN_ENV) == "1"
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.backend, self.device = "nccl", torch.device(f"cuda:{torch.cuda.current_device()}")
@@ -196,17 +200,18 @@ class DistGroup(Group):
             self.backend, self.device = "gloo", torch.device("cpu")
         _die_with_parent()
         self.store, attempt = self._init()
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized()
+                                 else (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))  # a joiner
         self.view = View(self.world) if self.elastic else None
         self.n_agents = self.world if n_agents is None else int(n_agents)
         self._failures: list[tuple[BaseException, Failure]] = []
         try:
             # only the restarted node's agent may count restarts: ask everyone
-            self.attempt = max(self.agree(attempt))
+            self.attempt = attempt if self.joining else max(self.agree(attempt))
             if self.store is not None:  # who runs where: lets a failing rank tell a dead local process from a slow one
                 self.store.set(f"cdsgd/proc/rank{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         except BaseException:
-            dist.destroy_process_group()
+            self.release()
             raise
 
     def _init(self):
@@ -226,6 +231,8 @@ class DistGroup(Group):
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             self.store_root = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                             is_master=False, timeout=timeout)
+            if self.joining:  # no process group until the survivors admit it
+                return self.store_root, 0
             prefixed = dist.PrefixStore("cdsgd/pg/start", self.store_root)
             dist.init_process_group(self.backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
             return self.store_root, 0
@@ -268,7 +275,8 @@ class DistGroup(Group):
     def check(self, facts: dict) -> None:
         from .reduce import check_agreement
 
-        check_agreement(facts)
+        if not self.joining:  # a replacement runs the launch's command line: the survivors checked it at start
+            check_agreement(facts)
 
     @property
     def agents(self) -> list[int]:
@@ -288,7 +296,8 @@ class DistGroup(Group):
         """The survivors ``live`` (ranks of the launch) form a new process group, under the store prefix
         ``tag`` (every survivor calls this with the same arguments)."""
         dist = self.dist
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         prefixed = dist.PrefixStore(f"cdsgd/pg/{tag}", self.store_root)
         dist.init_process_group(self.backend, store=prefixed, rank=live.index(self.rank), world_size=len(live),
                                 timeout=datetime.timedelta(seconds=self.timeout))
