@@ -52,7 +52,7 @@ from ..base.comm import CommError
 from ..base.files import atomic_write
 from ..config import Config, dump_config, load_config, short_value
 from ..executor import METRIC_COLUMNS, Diverged, Executor
-from ..runtime.elastic import check_launched, fault, join_run
+from ..runtime.elastic import adopt, check_launched, fault, join_run, resume_point
 from ..runtime.group import Failure, Group, LocalGroup, Terminated, join
 from . import checkpoint as ckpt
 from .hints import diverged_hint, eval_hint, resume_hint
@@ -112,21 +112,31 @@ def _checkpoint_steps(cfg: Config, steps_per_epoch: int) -> int:
     return max(1, round(cfg.checkpoint_every * steps_per_epoch))
 
 
-def _find_checkpoint(cfg: Config, out: Path, group: Group, *, log: Callable[[str], None]) -> dict | None:
-    """The payload of the latest checkpoint every rank holds, loaded and checked; None if there is none."""
+def _find_checkpoint(cfg: Config, out: Path, group: Group, sim: Executor, *,
+                     log: Callable[[str], None]) -> dict | None:
+    """The payload of the latest checkpoint every rank holds (under elastic membership: but those the run had
+    lost, which take the lowest holder's state, :func:`cdsgd.runtime.elastic.resume_point`), loaded and
+    checked; None if there is none."""
     rank, world = group.rank, group.world
     steps = group.agree(ckpt.steps_on_disk(out, rank))
     common = set(steps[0]).intersection(*map(set, steps[1:]))
+    point = resume_point(steps, group, lambda k, r: ckpt.checkpoint_path(out, k, r)) if group.elastic else None
+    if point is not None and point[0] not in common:  # this rank, if it was lost, reads the lowest holder's file
+        common, source = {point[0]}, (rank if point[0] in steps[rank] else point[1])
+    else:
+        source = rank
     if not common:
         held = {r: s[-1] for r, s in enumerate(steps) if s}
         log(f"resume: no checkpoint held by all {world} rank(s) in {out / 'checkpoints'}"
             + (f" (latest per rank: {held})" if held else "") + "; starting from step 0")
         return None
     step = max(common)
-    path = ckpt.checkpoint_path(out, step, rank)
+    path = ckpt.checkpoint_path(out, step, source)
     try:
         payload, problem = ckpt.load(path, config=ckpt.config_for_checkpoint(cfg.__dict__), world=world,
-                                     rank=rank), None
+                                     rank=source), None
+        if source != rank:
+            payload["simulator"] = adopt(sim, payload["simulator"])
     except ValueError as e:
         payload, problem = None, str(e)
     problems = [p for p in group.agree(problem) if p]
@@ -203,7 +213,7 @@ def run_experiment(cfg: Config, *, progress: bool | None = None, log: Callable[[
         group.check({"mixing matrix": parts.W, "n_agents": cfg.n_agents, "world size": group.world,
                      "parameter count": sim.layout.numel,
                      "config": dump_config(Config(**{**cfg.__dict__, "resume": False}))})
-        payload = join_run(group, sim) if group.joining else _find_checkpoint(cfg, out, group, log=log) if resume \
+        payload = join_run(group, sim) if group.joining else _find_checkpoint(cfg, out, group, sim, log=log) if resume \
             else None
         summary = _drive(cfg, sim, parts, out, group, mode=mode, log=log, resume=payload, started=started)
         completed = True

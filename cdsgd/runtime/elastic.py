@@ -68,7 +68,7 @@ import torch
 from ..base.comm import CommError
 
 __all__ = ["ADMIT", "DEAD", "ELASTIC_ENV", "ElasticStep", "Excluded", "FAULT_ENV", "JOIN", "JOIN_ENV", "LOCAL", "Quorum",
-           "View", "check_launched", "fault", "join_run", "streams_state"]
+           "View", "adopt", "check_launched", "fault", "join_run", "lost_now", "resume_point", "streams_state"]
 
 #: set to "1" by ``cdsgd launch`` for the workers of an elastic run (membership = "elastic")
 ELASTIC_ENV = "CDSGD_ELASTIC"
@@ -312,15 +312,53 @@ def join_run(group, ex) -> dict:
     store.delete_key(key)
     payload = _loads(store.get(f"cdsgd/el/{admit['tag']}/state"))
     group.regroup(admit["live"], admit["tag"])
-    mine, state = ex.state_dict(), payload["simulator"]  # the run's state (step, clock, membership, ...)
+    state = payload["simulator"]  # the run's state (step, clock, membership, ...)
     leave = max(k for j, k in state["membership"]["lost"] if j in ex.agents)
-    own = _loads(store.get(LOCAL.format(rank, leave)))
-    held = len(ex.agents)
-    state = {**state, "agents": mine["agents"], "stack": {"X": mine["stack"]["X"], "rng": own["rng"]},
-             "data": own["data"], "mixer": mine["mixer"],
-             "rule": {n: (mine["rule"][n] if t.dim() and t.shape[0] == held else t) for n, t in state["rule"].items()},
-             "meters": {**state["meters"], "loss": mine["meters"]["loss"], "nonfinite": mine["meters"]["nonfinite"]}}
+    state = adopt(ex, state, _loads(store.get(LOCAL.format(rank, leave))))
     stepper = ex.stepper
     stepper.quorum.incarnation = {int(q): int(v) for q, v in payload["incarnation"].items()}
     stepper.admitted = int(admit["attempt"])
     return {"simulator": state, "rows": payload["rows"], "joined": True}
+
+
+def adopt(ex, state: dict, own: dict | None = None) -> dict:
+    """Another rank's executor ``state`` made this rank's: the run's step, clock, membership and the rule's
+    shared state from it; this rank's own agents, their parameters and per-agent rule state (a donor gives
+    them in the step they come back at, if ever), counters and, from ``own`` (:func:`streams_state`; None:
+    as they are here), their data streams and random draws."""
+    mine, held = ex.state_dict(), len(ex.agents)
+    own = own if own is not None else {"data": mine["data"], "rng": mine["stack"]["rng"]}
+    return {**state, "agents": mine["agents"], "stack": {"X": mine["stack"]["X"], "rng": own["rng"]},
+            "data": own["data"], "mixer": mine["mixer"],
+            "rule": {n: (mine["rule"][n] if t.dim() and t.shape[0] == held else t) for n, t in state["rule"].items()},
+            "meters": {**state["meters"], "loss": mine["meters"]["loss"], "nonfinite": mine["meters"]["nonfinite"]}}
+
+
+def lost_now(membership: dict) -> set[int]:
+    """The agents a membership state (``Membership.state_dict``) records as lost and not back."""
+    count: dict[int, int] = {}
+    for j, _ in membership.get("lost", []):
+        count[int(j)] = count.get(int(j), 0) + 1
+    for j, _ in membership.get("back", []):
+        count[int(j)] -= 1
+    return {j for j, c in count.items() if c > 0}
+
+
+def resume_point(steps: list[list[int]], group, path) -> tuple[int, int] | None:
+    """The checkpoint an elastic run resumes from: (step, the lowest rank holding it), the latest step whose
+    file every rank holds but the ranks that run had lost for good by then (read from that lowest rank's
+    file, ``path(step, rank)``); None if there is none. Those ranks take that rank's state (:func:`adopt`);
+    their agents stay lost. ``steps``: the steps each rank holds a checkpoint of."""
+    for step in sorted(set().union(*map(set, steps)), reverse=True):
+        holders = [r for r, s in enumerate(steps) if step in s]
+        missing = [r for r in range(group.world) if r not in holders]
+        if missing:
+            try:
+                payload = torch.load(path(step, holders[0]), map_location="cpu", weights_only=True)
+                lost = lost_now(payload["simulator"].get("membership", {}))
+            except Exception:  # noqa: BLE001 - a damaged file: an older checkpoint may do
+                continue
+            if not all(set(group.agents_of(r)) <= lost for r in missing):
+                continue
+        return step, holders[0]
+    return None
