@@ -82,9 +82,12 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
     lost: list[tuple[int, int]] = []  # (rank, status) of every worker that failed, in order
     codes: dict[int, int] = {}
 
+    stopped: list[int] = []  # the signal the launcher got, if any
+
     def stop(signum, frame):  # pass the launcher's SIGINT/SIGTERM on: each rank checkpoints and stops
         nonlocal restarts
         restarts = 0
+        stopped.append(signum)
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -98,6 +101,9 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
                 if p.returncode == 0:
                     codes[r] = 0
                     continue
+                if stopped:  # stopped on purpose, not lost
+                    codes[r] = p.returncode
+                    continue
                 lost.append((r, p.returncode))
                 store.delete_key(JOIN.format(r))  # a replacement that died before it was admitted
                 store.add(DEAD.format(r), 1)  # the survivors stop waiting for it
@@ -110,6 +116,10 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    if stopped:
+        name = signal.Signals(stopped[0]).name
+        print(f"cdsgd launch: stopped by {name}; every rank was sent SIGTERM", file=sys.stderr)
+        return 128 + stopped[0]
     if lost:
         def how(c):
             return f"killed by {signal.Signals(-c).name}" if c < 0 else f"exit status {c}"
