@@ -106,6 +106,9 @@ class Config:
                           "come back (network_params churn: in the simulator, and replayed by the runtime) and the run goes on "
                           "over those online",
                           choices=("fixed", "elastic"), identity=True)
+    min_ranks: int = key(0, "membership = elastic under cdsgd launch: while fewer ranks are live, each step waits up "
+                         "to comm_timeout for a replacement (--max-restarts) to join before it goes on (0: never "
+                         "waits)", low=0, volatile=True)
     # --- communication graph
     topology: str = key("ring", "builder name (ring, torus, complete, ...), time-varying schedule "
                         "(one_peer_exponential, random_matching) or a graph file path; not used by sgd, msgd, "

@@ -235,6 +235,8 @@ def test_the_clock_skips_an_offline_agent_and_charges_a_return_over_the_donors_u
                                              r"is for .*cdmsgd"),
     (["membership=elastic", "algorithm=relaysum"], r"relayed sums pass through every agent"),
     (["membership=elastic", "network_params={churn=0.1, churn_trace='t.csv'}"], r"give one"),
+    (["min_ranks=2"], r"^min_ranks = 2 waits for replacements, which join under membership = 'elastic' only"),
+    (["membership=elastic", "min_ranks=-1"], r"^min_ranks"),
     (["membership=elastic", "network_params={churn=0.1}", "mixing=uniform"], r"^mixing = 'uniform' is doubly"),
     (["membership=elastic", "network_params={churn=0.1}", "topology=one_peer_exponential", "n_agents=4"],
      r"time-varying topology"),

@@ -118,19 +118,20 @@ def test_a_rank_killed_while_writing_a_checkpoint_loses_no_checkpoint(tmp_path):
     assert summary["resumed_from_step"] == 23
 
 
-#: long enough for a replacement process to start (a few seconds) and join well before the end
-LONG = ["epochs=12", "eval_steps=100"]
+#: the survivors wait (at most comm_timeout) for the replacement to join while fewer than 4 ranks are live
+WAIT = ["min_ranks=4"]
 
 
 def test_a_killed_rank_restarted_joins_and_the_run_finishes_with_four_agents(tmp_path):
-    """--max-restarts 1: a replacement of rank 2 joins at some step J, takes its agent's model and state from
-    its lowest live neighbour and its data stream where the lost rank left it; equal to the simulator given
-    the trace 2,5,J."""
-    tor, err = launch(tmp_path, "die:2:5", LONG, restarts=1)
+    """--max-restarts 1: a replacement of rank 2 joins at step 6 (the first after the loss: min_ranks=4 waits
+    for it), takes its agent's model and state from its lowest live neighbour and its data stream where the
+    lost rank left it; equal to the simulator given the trace 2,5,6."""
+    tor, err = launch(tmp_path, "die:2:5", WAIT, restarts=1)
     assert "lost rank 2 (killed by SIGKILL); the run went on" in err
     left, back = rows(tor / "membership.csv")
-    assert (left["step"], left["left"], back["joined"], back["donors"], back["online"]) == ("5", "2", "2", "2<1", "4")
-    sim = simulate(tmp_path, [(2, 5, int(back["step"]))], LONG)
+    assert (left["step"], left["left"], back["step"], back["joined"], back["donors"], back["online"]) == \
+        ("5", "2", "6", "2", "2<1", "4")
+    sim = simulate(tmp_path, [(2, 5, int(back["step"]))], WAIT)
     summary = assert_same_run(tor, sim, [0, 1, 2, 3])
     assert summary["returns"] == 1
 
@@ -138,9 +139,9 @@ def test_a_killed_rank_restarted_joins_and_the_run_finishes_with_four_agents(tmp
 def test_a_joiner_whose_neighbour_dies_while_it_joins_takes_its_model_from_the_other(tmp_path):
     """Rank 1 (the joiner's donor) dies at the step the replacement of rank 2 joins, after agreeing to it: the
     step is taken again without rank 1, and agent 2 takes its model from agent 3."""
-    tor, err = launch(tmp_path, "die:2:5,die:1:*:join", LONG, restarts=1)
+    tor, err = launch(tmp_path, "die:2:5,die:1:*:join", WAIT, restarts=1)
     left, change = rows(tor / "membership.csv")
     assert (change["left"], change["joined"], change["donors"], change["online"]) == ("1", "2", "2<3", "3")
     J = int(change["step"])
-    sim = simulate(tmp_path, [(2, 5, J), (1, J, None)], LONG)
+    sim = simulate(tmp_path, [(2, 5, J), (1, J, None)], WAIT)
     assert_same_run(tor, sim, [0, 2, 3])

@@ -184,7 +184,7 @@ def _cmd_launch(args) -> int:
     if args.master_addr.startswith("127.") and args.nnodes == 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback, not the hostname's address
     if cfg.membership == "elastic":
-        return _launch_elastic(args, overrides, path, world, per_process)
+        return _launch_elastic(args, cfg, overrides, path, world, per_process)
     from torch.distributed import run as torchrun
 
     argv = launch_argv(args, overrides, path)
@@ -207,11 +207,14 @@ def _cmd_launch(args) -> int:
     return 0
 
 
-def _launch_elastic(args, overrides: list[str], path: str | None, world: int, per_process: int) -> int:
+def _launch_elastic(args, cfg, overrides: list[str], path: str | None, world: int, per_process: int) -> int:
     """membership = "elastic": cdsgd launch starts and watches the workers itself (cdsgd.cli.launch.supervise)."""
     if args.nnodes > 1:
         raise ValueError(f"membership='elastic' runs on one node for now (--nnodes {args.nnodes} given): "
                          "cdsgd launch watches its own workers; use --nnodes 1, or membership='fixed'")
+    if cfg.min_ranks > world:
+        raise ValueError(f"min_ranks = {cfg.min_ranks} is more than the {world} process(es) launched: give at most "
+                         f"{world} (0: never wait for a replacement)")
     if args.dry_run:
         print(f"{world} process(es), {per_process} agent(s) each, started and watched by cdsgd launch "
               "(membership='elastic': a rank that dies is left behind, docs/reliability.md)")

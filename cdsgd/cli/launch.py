@@ -106,8 +106,11 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
                     continue
                 lost.append((r, p.returncode))
                 store.delete_key(JOIN.format(r))  # a replacement that died before it was admitted
+                replace = restarts > 0 and any(q not in codes and q != r for q in procs)
+                if replace:  # said before the death, so that a survivor that sees the death sees this too
+                    store.set(JOIN.format(r), "starting")  # (min_ranks: the survivors may wait for it)
                 store.add(DEAD.format(r), 1)  # the survivors stop waiting for it
-                if restarts > 0 and any(q not in codes and q != r for q in procs):
+                if replace:
                     restarts -= 1
                     procs[r] = start(r, True)
                 else:

@@ -172,6 +172,9 @@ def validate_config(cfg: Config) -> Plan:
     network = network_spec(cfg.network, cfg.network_params)
     check_asynchronous(network, algorithm, in_one_process=cfg.executor == "sim")  # adpsgd: sim, compute_ms given
     check_network(network, algorithm, in_one_process=cfg.executor == "sim")
+    if cfg.min_ranks and cfg.membership != "elastic":
+        raise ValueError(f"min_ranks = {cfg.min_ranks} waits for replacements, which join under membership = "
+                         f"'elastic' only (membership = {cfg.membership!r}): set membership = \"elastic\" or min_ranks = 0")
     check_membership(cfg.membership, network, algorithm, n_agents=cfg.n_agents, executor=cfg.executor,
                      mixing=cfg.mixing, schedule=cfg.topology in topologies.SCHEDULES.names())
     check_model_options(cfg.model, cfg.model_params)  # names only for the user's own model: shapes come below
@@ -371,7 +374,7 @@ def build_executor(cfg: Config, parts: Parts, group) -> Executor:
     if getattr(group, "elastic", False):  # a rank that dies leaves the run (cdsgd.runtime.elastic)
         from ..runtime.elastic import ElasticStep
 
-        ex.stepper = ElasticStep(group, ex)
+        ex.stepper = ElasticStep(group, ex, min_ranks=cfg.min_ranks)
     return ex
 
 

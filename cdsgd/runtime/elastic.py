@@ -74,7 +74,8 @@ __all__ = ["ADMIT", "DEAD", "ELASTIC_ENV", "ElasticStep", "Excluded", "FAULT_ENV
 ELASTIC_ENV = "CDSGD_ELASTIC"
 #: the store key the launcher writes when worker R exits (``DEAD.format(R)``)
 DEAD = "cdsgd/el/dead/{}"
-#: a replacement rank asks to join (``JOIN.format(R)``), and is told where it is admitted (``ADMIT``)
+#: a replacement rank is started (``JOIN.format(R)`` = "starting", by the launcher) and asks to join
+#: ("ready"), and is told where it is admitted (``ADMIT``)
 JOIN, ADMIT = "cdsgd/el/join/{}", "cdsgd/el/admit/{}"
 #: rank R's agents' data streams and random draws at the start of step K (``LOCAL.format(R, K)``)
 LOCAL = "cdsgd/el/local/{}/{}"
@@ -165,9 +166,10 @@ class Quorum:
     def deaths(self, rank: int) -> int:
         return int(self.store.add(DEAD.format(rank), 0))
 
-    def decide(self, tag: str, members: list[int], value: str = "1", *, joiners=()) -> dict[int, str]:
+    def decide(self, tag: str, members: list[int], value: str = "1", *, joiners=(), want: int = 0) -> dict[int, str]:
         """{member: value} of those that reported ``tag`` before the others were dead or ``timeout`` passed;
-        with ``joiners`` (ranks not in ``members``), each that asked to join (``JOIN``) as {rank: "join"}."""
+        with ``joiners`` (ranks not in ``members``), each that asked to join (``JOIN``) as {rank: "join"},
+        waiting up to ``timeout`` more for them while fewer than ``want`` would be live."""
         key = f"cdsgd/el/{tag}/"
         self.store.set(key + str(self.rank), value)
         deadline, pause = time.monotonic() + self.timeout, 0.0005
@@ -184,7 +186,13 @@ class Quorum:
                 break
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-        seen.update({q: "join" for q in joiners if self.store.check([JOIN.format(q)])})
+        deadline = time.monotonic() + self.timeout
+        while True:  # a replacement the launcher started says "starting", then "ready" once built
+            asked = {q: self.store.get(JOIN.format(q)).decode() for q in joiners if self.store.check([JOIN.format(q)])}
+            seen.update({q: "join" for q, v in asked.items() if v == "ready"})
+            if len(seen) >= want or "starting" not in asked.values() or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         proposal = json.dumps(sorted(seen.items()))
         decided = self.store.compare_set(key + "decision", "", proposal).decode()
         return {int(q): v for q, v in json.loads(decided)}
@@ -213,13 +221,14 @@ class ElasticStep:
         ex: the executor (its ``membership`` loses the agents of lost ranks, and takes back those of
             replacements).
 
+    ``min_ranks``: while fewer ranks would be live, a step waits up to ``comm_timeout`` for replacements.
     ``rows``: the run's metrics rows so far (the run loop sets it), handed to a replacement that joins.
     Each rank also leaves in the store, at each step, its agents' data streams and random draws at the start
     of the next one (``LOCAL``): what a replacement of it continues from.
     """
 
-    def __init__(self, group, ex) -> None:
-        self.group, self.ex = group, ex
+    def __init__(self, group, ex, *, min_ranks: int = 0) -> None:
+        self.group, self.ex, self.min_ranks = group, ex, int(min_ranks)
         self.quorum = Quorum(group.store_root, group.rank, group.timeout, group.world)
         self.rows: list[dict] = []
         #: set by :func:`join_run` in a replacement: the attempt of the step it was admitted at
@@ -263,7 +272,7 @@ class ElasticStep:
             if decided is None:
                 fault("step", group.rank, k)
                 before = list(group.view.live)
-                decided = self.quorum.decide(f"{tag}/ready", before,
+                decided = self.quorum.decide(f"{tag}/ready", before, want=self.min_ranks,
                                              joiners=[r for r in range(group.world) if r not in before])
                 if group.rank not in decided:
                     raise Excluded(f"rank {group.rank} was left out at step {k} (it answered after "
@@ -301,7 +310,7 @@ def join_run(group, ex) -> dict:
     random draws as its lost predecessor left them); its agents' parameters and rule state come from their
     donors in the step itself (:meth:`~cdsgd.executor.membership.Membership.begin`)."""
     store, rank = group.store_root, group.rank
-    store.set(JOIN.format(rank), "1")
+    store.set(JOIN.format(rank), "ready")
     key = ADMIT.format(rank)
     try:
         store.wait([key], datetime.timedelta(seconds=group.timeout))
