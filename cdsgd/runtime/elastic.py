@@ -176,7 +176,12 @@ class Quorum:
         waiting = set(members)
         seen: dict[int, str] = {}
         while True:
-            for q in sorted(waiting):
+            ranks = sorted(waiting)
+            keys = [key + str(q) for q in ranks]
+            if self.store.check(keys):  # the usual case: everyone has reported (two round trips in all)
+                seen.update({q: v.decode() for q, v in zip(ranks, self.store.multi_get(keys))})
+                break
+            for q in ranks:
                 if self.store.check([key + str(q)]):
                     seen[q] = self.store.get(key + str(q)).decode()
                     waiting.discard(q)
@@ -185,9 +190,9 @@ class Quorum:
             if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+            pause = min(2 * pause, 0.005)
         deadline = time.monotonic() + self.timeout
-        while True:  # a replacement the launcher started says "starting", then "ready" once built
+        while joiners:  # a replacement the launcher started says "starting", then "ready" once built
             asked = {q: self.store.get(JOIN.format(q)).decode() for q in joiners if self.store.check([JOIN.format(q)])}
             seen.update({q: "join" for q, v in asked.items() if v == "ready"})
             if len(seen) >= want or "starting" not in asked.values() or time.monotonic() > deadline:
