@@ -102,13 +102,10 @@ class Config:
     comm_timeout: float = key(120.0, "seconds any wait on a neighbour or collective may take (torch executor)",
                               above=0, unit=" seconds", volatile=True)
     overlap: bool = key(True, "exchange parameters during the backward pass (False: after it, for measurement)")
-    membership: str = key("fixed", "fixed: a lost peer stops the run (fail-stop) | elastic: agents may leave and "
-                          "come back (network_params churn: in the simulator, and replayed by the runtime) and the run goes on "
-                          "over those online",
-                          choices=("fixed", "elastic"), identity=True)
-    min_ranks: int = key(0, "membership = elastic under cdsgd launch: while fewer ranks are live, each step waits up "
-                         "to comm_timeout for a replacement (--max-restarts) to join before it goes on (0: never "
-                         "waits)", low=0, volatile=True)
+    membership: str = key("fixed", "fixed: a lost peer stops the run | elastic: the run goes on over the agents online "
+                          "(network_params churn, ranks lost)", choices=("fixed", "elastic"), identity=True)
+    min_ranks: int = key(0, "elastic: each step waits up to comm_timeout for a replacement while fewer ranks are live "
+                         "(0: never)", low=0, volatile=True)
     # --- communication graph
     topology: str = key("ring", "builder name (ring, torus, complete, ...), time-varying schedule "
                         "(one_peer_exponential, random_matching) or a graph file path; not used by sgd, msgd, "

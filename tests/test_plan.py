@@ -51,7 +51,7 @@ def test_hyperparameters_follow_the_declarations(overrides, expect):
 
 def test_volatile_keys_are_declared_on_the_fields():
     assert set(VOLATILE_KEYS) == {"out", "overwrite", "resume", "comm_timeout", "checkpoint_every",
-                                  "checkpoint_unit", "download", "logger"}
+                                  "checkpoint_unit", "download", "logger", "min_ranks"}
 
 
 def test_parts_answer_attributes_only():

@@ -119,19 +119,27 @@ def supervise(args, overrides: list[str], path: str | None) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    return _supervised_status(stopped, lost, codes)
+
+
+def _supervised_status(stopped: list[int], lost: list[tuple[int, int]], codes: dict[int, int]) -> int:
+    """One line on how a supervised (elastic) launch ended, and its exit status."""
+    import signal
+
     if stopped:
         name = signal.Signals(stopped[0]).name
         print(f"cdsgd launch: stopped by {name}; every rank was sent SIGTERM", file=sys.stderr)
         return 128 + stopped[0]
-    if lost:
-        def how(c):
-            return f"killed by {signal.Signals(-c).name}" if c < 0 else f"exit status {c}"
+    if not lost:
+        return 0
 
-        said = ", ".join(f"rank {r} ({how(c)})" for r, c in lost)
-        completed = any(c == 0 for c in codes.values())
-        print(f"cdsgd launch: lost {said}; " + ("the run went on" if completed else "no rank finished"),
-              file=sys.stderr)
-        if not completed:
-            first = lost[0][1]
-            return 128 - first if first < 0 else first
-    return 0
+    def how(c):
+        return f"killed by {signal.Signals(-c).name}" if c < 0 else f"exit status {c}"
+
+    said = ", ".join(f"rank {r} ({how(c)})" for r, c in lost)
+    completed = any(c == 0 for c in codes.values())
+    print(f"cdsgd launch: lost {said}; " + ("the run went on" if completed else "no rank finished"), file=sys.stderr)
+    if completed:
+        return 0
+    first = lost[0][1]
+    return 128 - first if first < 0 else first
