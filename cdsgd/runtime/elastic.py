@@ -215,7 +215,7 @@ def _loads(data: bytes):
 
 def streams_state(ex) -> dict:
     """What no other rank can give back of this rank's agents: their data streams and random draws."""
-    return {"data": ex.data.state_dict(), "rng": ex.stack.state_dict()["rng"]}
+    return {"data": ex.data.state_dict(), "rng": [r.cpu() for r in ex.stack.rng.state_dict()]}  # as the stack's
 
 
 class ElasticStep:
